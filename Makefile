@@ -1,0 +1,56 @@
+# Daybreak developer entry points. `make test` and `make demo` work on a fresh
+# machine with Python 3.11+, Go 1.26+ and gcc: everything else is installed here.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+# The repository root holds `operator/` (imported as daybreak.operator). Never
+# let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
+export PYTHONSAFEPATH := 1
+
+.PHONY: all venv tools lint typecheck test demo bench crds clean help
+
+all: test
+
+help:
+	@echo "make test   - install into .venv, build the local control plane, lint, typecheck, run the tests"
+	@echo "make demo   - start the local cluster with fake accelerator nodes and run the demo"
+	@echo "make bench  - run the benchmarks against their anchors"
+	@echo "make crds   - regenerate crds/ from the API models"
+	@echo "make tools  - build (or find cached) kube-apiserver, etcd, kwok, helm, ..."
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $@
+
+tools: venv
+	$(BIN)/daybreak dev tools
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/python hack/linktree.py
+	$(BIN)/mypy
+
+test: venv tools lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: venv tools
+	$(BIN)/python -m daybreak.devenv.demo
+
+bench: venv tools
+	$(BIN)/daybreak bench all
+
+crds: venv
+	$(BIN)/daybreak crds --out crds
+
+clean:
+	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info .daybreak

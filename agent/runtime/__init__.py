@@ -1,0 +1,1 @@
+"""Accelerator runtimes behind one interface: sunrise (Tang/PTML), nvidia (NVML/CUDA), host."""

@@ -1,0 +1,69 @@
+"""The node agent's one typed settings object: defaults < config file < environment < flags.
+
+Environment variables are ``DAYBREAK_<FIELD>`` in upper case (for example
+``DAYBREAK_SYSFS_ROOT``, ``DAYBREAK_SUNRISE_LIB_DIR``). The effective settings
+are logged once at start-up, with secrets left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+RuntimeChoice = Literal["auto", "sunrise", "nvidia", "host"]
+
+
+class AgentSettings(BaseModel):
+    """Everything one agent process needs to know."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # -- identity and cluster --------------------------------------------------
+    standalone: bool = Field(False, description="serve a store without Kubernetes")
+    node_name: str = Field("", description="the Kubernetes node this agent runs on (from the downward API)")
+    pool_name: str = Field("", description="the KVPool this agent serves")
+    pool_namespace: str = Field("", description="namespace of the KVPool")
+    kubeconfig: str = Field("", description="kubeconfig path when out of cluster; empty means in-cluster")
+
+    # -- hardware discovery ------------------------------------------------------
+    sysfs_root: Path = Field(Path("/sys"), description="directory that plays /sys (fixture trees in tests)")
+    runtime: RuntimeChoice = Field("auto", description="accelerator runtime; auto tries sunrise, nvidia, host")
+    sunrise_lib_dir: str = Field("", description="directory holding libtangrt_shared.so and libptml_shared.so")
+
+    # -- store ---------------------------------------------------------------------
+    listen: str = Field("127.0.0.1:7480", description="host:port the store serves on")
+    dram_bytes: int = Field(1 << 30, ge=0, description="DRAM tier size in bytes")
+    ssd_path: str = Field("", description="directory for the SSD tier; empty disables it")
+    ssd_bytes: int = Field(0, ge=0, description="SSD tier size in bytes")
+    hbm_bytes: int = Field(0, ge=0, description="HBM tier size per device in bytes; 0 disables it")
+    peers: list[str] = Field(default_factory=list, description="other agents (host:port) in a standalone pool")
+    replicas: int = Field(1, ge=1, description="copies of each block")
+    token_file: str = Field("", description="file holding the pool token")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it")
+
+    @classmethod
+    def load(cls, *, config_file: str | None = None, overrides: dict[str, Any] | None = None,
+             environ: dict[str, str] | None = None) -> AgentSettings:
+        """Merge the sources in order; later ones win. ``overrides`` are the flags actually given."""
+        values: dict[str, Any] = {}
+        if config_file:
+            text = Path(config_file).read_text()
+            loaded = yaml.safe_load(text) if not config_file.endswith(".json") else json.loads(text)
+            values.update(loaded or {})
+        env = os.environ if environ is None else environ
+        for name, field in cls.model_fields.items():
+            raw = env.get(f"DAYBREAK_{name.upper()}")
+            if raw is None:
+                continue
+            values[name] = raw.split(",") if field.annotation == list[str] else raw
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.model_validate(values)
+
+    def describe(self) -> str:
+        """One key=value line for the start-up log."""
+        return " ".join(f"{k}={v}" for k, v in self.model_dump(mode="json").items())

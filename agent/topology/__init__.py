@@ -1,0 +1,1 @@
+"""Node topology from sysfs: PCI devices, NICs, link classes, NIC ranking and GDR decisions."""

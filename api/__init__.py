@@ -1,0 +1,1 @@
+"""Shared models: the CRD types and wire definitions used by operator, agent and client (no I/O)."""

@@ -1,0 +1,1 @@
+"""Benchmarks (``make bench`` / ``daybreak bench``): measured side by side with their anchors."""

@@ -1,0 +1,1 @@
+"""The local development environment: tool builds from source and a local control plane."""

@@ -1,0 +1,1 @@
+"""Inference engines Daybreak drives: the simulated engine and the PD router."""

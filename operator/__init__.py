@@ -1,0 +1,1 @@
+"""The Kubernetes operator: reconciles KVPool and PDDeployment into workloads."""

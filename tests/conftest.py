@@ -1,0 +1,40 @@
+"""Shared fixtures: real control planes started from the locally built binaries.
+
+``kube`` is envtest-style (etcd + kube-apiserver), started once per session.
+``cluster`` is the fuller stack (plus controller-manager, scheduler and kwok
+with two fake Sunrise nodes) for tests marked ``e2e``. Both are torn down at
+the end of the session; their logs stay under pytest's basetemp for triage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import pytest
+
+from daybreak.devenv import tools
+from daybreak.devenv.cluster import ClusterSpec, LocalCluster
+
+
+def _start(tmp_path_factory: pytest.TempPathFactory, name: str, spec: ClusterSpec) -> Iterator[LocalCluster]:
+    directory = tmp_path_factory.mktemp(name)
+    try:
+        cluster = LocalCluster(directory, spec, progress=lambda _m: None)
+        cluster.start()
+    except tools.ToolError as exc:
+        pytest.fail(f"control-plane binaries missing ({exc}); `make test` builds them")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """etcd + kube-apiserver on loopback (no controllers: no GC, no pods)."""
+    yield from _start(tmp_path_factory, "envtest", ClusterSpec(controllers=False, kwok=False))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """The full local stack with 2 kwok nodes of 8 fake Sunrise devices each."""
+    yield from _start(tmp_path_factory, "e2e", ClusterSpec(nodes=2, devices_per_node=8))
