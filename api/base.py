@@ -1,0 +1,183 @@
+"""The model kit every Daybreak resource is written in: camelCase wire names, CEL rules, CRD identity.
+
+A resource is a pydantic model (``CustomResource`` subclass) whose class
+docstring, field docstrings, types, defaults and constraints become the CRD
+schema (see ``daybreak.api.schema``). Python code uses snake_case attributes;
+the wire (Kubernetes) uses the camelCase aliases. Cross-field rules are
+declared next to the fields they compare, as ``__cel_rules__`` on the model,
+and land in the schema as ``x-kubernetes-validations``.
+
+Parsing is lenient about unknown fields (``extra="ignore"``) so an older
+operator can read objects written against a newer schema; strictness about
+unknown fields is the API server's job (``kubectl apply`` validates strictly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "daybreak.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """One ``x-kubernetes-validations`` entry, evaluated by the API server on the object it is declared on.
+
+    ``field_path`` (relative, e.g. ``.minReplicas``) is where the error is
+    reported, so the message names the field a user must change.
+    """
+
+    rule: str
+    message: str
+    field_path: str | None = None
+    message_expression: str | None = None
+    reason: str | None = None  # FieldValueInvalid (default), FieldValueRequired, FieldValueForbidden, ...
+
+    def to_schema(self) -> dict[str, str]:
+        out = {"rule": self.rule, "message": self.message}
+        if self.message_expression:
+            out["messageExpression"] = self.message_expression
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def _schema_extra(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    rules: tuple[CelRule, ...] = getattr(cls, "__cel_rules__", ())
+    if rules:
+        schema["x-kubernetes-validations"] = [rule.to_schema() for rule in rules]
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase aliases, docstrings as descriptions, CEL rules."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        use_attribute_docstrings=True,
+        extra="ignore",
+        json_schema_extra=_schema_extra,
+    )
+
+    __cel_rules__: ClassVar[tuple[CelRule, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, JSON types, unset optional fields left out (safe for merge patches)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def nested(model: type[BaseModel]) -> Any:
+    """A sub-object that defaults to itself with all its own defaults.
+
+    The schema gets ``default: {}``, so the API server fills in the nested
+    defaults too and ``kubectl get -o yaml`` shows the effective settings.
+    """
+    return Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+def plain(value: Any) -> Any:
+    """Deep-copy any Mapping/Sequence (kopf ``Body``, ``Spec`` views) into plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class PrinterColumn:
+    """One ``additionalPrinterColumns`` entry (what ``kubectl get`` shows)."""
+
+    name: str
+    json_path: str
+    type: str = "string"  # integer | number | string | boolean | date
+    description: str = ""
+    priority: int = 0  # 0: always shown; 1: only with -o wide
+
+    def to_schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "type": self.type, "jsonPath": self.json_path}
+        if self.description:
+            out["description"] = self.description
+        if self.priority:
+            out["priority"] = self.priority
+        return out
+
+
+@dataclass(frozen=True)
+class CRDInfo:
+    """The identity of a resource kind: names, scope and how ``kubectl get`` prints it."""
+
+    kind: str
+    plural: str
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ("daybreak",)
+    scope: str = "Namespaced"  # or "Cluster"
+    printer_columns: tuple[PrinterColumn, ...] = ()
+    group: str = GROUP
+    version: str = VERSION
+    # Whether status gets x-kubernetes-preserve-unknown-fields (see schema.py for why).
+    preserve_unknown_status: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def singular(self) -> str:
+        return self.kind.lower()
+
+    @property
+    def name(self) -> str:
+        """The CRD object's name, ``<plural>.<group>``."""
+        return f"{self.plural}.{self.group}"
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+
+class ObjectMeta(ApiModel):
+    """The parts of Kubernetes object metadata Daybreak reads; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    """Object name, unique per namespace."""
+    namespace: str | None = None
+    """Namespace of the object."""
+    uid: str | None = None
+    """Server-assigned unique id (used in owner references)."""
+    generation: int | None = None
+    """Spec generation, bumped by the API server on every spec change."""
+    resource_version: str | None = None
+    """Opaque version for optimistic concurrency."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Object labels."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Object annotations."""
+
+
+class CustomResource(ApiModel):
+    """A whole Daybreak object (apiVersion, kind, metadata, spec, status); subclasses set ``crd``."""
+
+    crd: ClassVar[CRDInfo]
+
+    api_version: str = Field(default=API_VERSION, alias="apiVersion")
+    """APIVersion of this object (``daybreak.dev/v1alpha1``)."""
+    kind: str
+    """Kind of this object."""
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """Standard object metadata."""
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        """Parse a raw object as the API server or kopf hands it over (camelCase keys, any Mapping)."""
+        return cls.model_validate(plain(body))

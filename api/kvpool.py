@@ -1,0 +1,244 @@
+"""The KVPool resource: a pooled, tiered KV cache served by one node agent per selected node."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from daybreak.api.base import ApiModel, CelRule, CRDInfo, CustomResource, PrinterColumn, nested
+from daybreak.api.kube import (
+    ByteQuantity,
+    Condition,
+    LocalObjectReference,
+    ResourceRequirements,
+    Toleration,
+    conditions_field,
+)
+from pydantic import Field
+
+
+class EvictionPolicy(StrEnum):
+    LRU = "lru"
+    S3FIFO = "s3fifo"
+
+
+class Transport(StrEnum):
+    RDMA = "rdma"
+    LINK = "link"
+    SHM = "shm"
+    TCP = "tcp"
+
+
+class HBMTier(ApiModel):
+    """Accelerator memory (HBM) lent to the pool on every device of a node."""
+
+    enabled: bool = True
+    """Serve this tier. Leaving the tier out disables it as well."""
+    bytes_per_device: ByteQuantity
+    """HBM per accelerator device given to the pool (quantity, e.g. 8Gi)."""
+
+
+class DRAMTier(ApiModel):
+    """Host memory in shared-memory segments; survives agent restarts and upgrades."""
+
+    enabled: bool = True
+    """Serve this tier. Leaving the tier out disables it as well."""
+    bytes_per_node: ByteQuantity
+    """Host memory per node given to the pool (quantity, e.g. 64Gi)."""
+    huge_pages: bool = False
+    """Back the segments with 2 MiB huge pages (the node must have them reserved)."""
+
+
+class SSDTier(ApiModel):
+    """Local SSD files below the DRAM tier; blocks evicted from DRAM land here."""
+
+    enabled: bool = True
+    """Serve this tier. Leaving the tier out disables it as well."""
+    path: str = Field(default="/var/lib/daybreak/kv", pattern=r"^/", max_length=4096)
+    """Absolute host directory for the cache files (mounted into the agent as a hostPath)."""
+    bytes_per_node: ByteQuantity
+    """SSD space per node given to the pool (quantity, e.g. 1Ti)."""
+
+
+class Tiers(ApiModel):
+    """Storage tiers of the pool, fastest first. At least one must be present and enabled."""
+
+    __cel_rules__ = (
+        CelRule(
+            rule="(has(self.hbm) && self.hbm.enabled) || (has(self.dram) && self.dram.enabled)"
+            " || (has(self.ssd) && self.ssd.enabled)",
+            message="at least one of tiers.hbm, tiers.dram, tiers.ssd must be present and enabled",
+            reason="FieldValueRequired",
+        ),
+    )
+
+    hbm: HBMTier | None = None
+    """Accelerator memory tier."""
+    dram: DRAMTier | None = None
+    """Host memory tier."""
+    ssd: SSDTier | None = None
+    """Local SSD tier."""
+
+
+class Replication(ApiModel):
+    """How many copies of each block the pool keeps."""
+
+    replicas: int = Field(default=1, ge=1, le=8)
+    """Copies of each block on distinct nodes (1 = no redundancy)."""
+
+
+class Eviction(ApiModel):
+    """When and how the agents free space in a tier."""
+
+    __cel_rules__ = (
+        CelRule(
+            rule="self.lowWatermark < self.highWatermark",
+            message="lowWatermark must be less than highWatermark",
+            message_expression="'lowWatermark (' + string(self.lowWatermark) + ') must be less than highWatermark ('"
+            " + string(self.highWatermark) + ')'",
+            field_path=".lowWatermark",
+        ),
+    )
+
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    """Which blocks go first: lru (least recently used) or s3fifo (scan-resistant FIFO queues)."""
+    high_watermark: float = Field(default=0.9, gt=0, le=1)
+    """Fill fraction of a tier at which eviction starts."""
+    low_watermark: float = Field(default=0.8, ge=0, lt=1)
+    """Fill fraction eviction frees the tier down to; must be below highWatermark."""
+
+
+DEFAULT_TRANSPORTS = [Transport.SHM, Transport.LINK, Transport.RDMA, Transport.TCP]
+
+
+class TransportSpec(ApiModel):
+    """Which data paths agents and clients may use between each other."""
+
+    preference: list[Transport] = Field(
+        default_factory=lambda: list(DEFAULT_TRANSPORTS),
+        min_length=1,
+        max_length=4,
+        json_schema_extra={"default": [t.value for t in DEFAULT_TRANSPORTS], "x-kubernetes-list-type": "set"},
+    )
+    """Allowed transports, most preferred first; a path not listed is never used, and each pair of
+    endpoints uses the first listed one both support (rdma: RDMA NICs, link: device links within a
+    link domain, shm: same node, tcp: anywhere)."""
+
+
+class AuthSpec(ApiModel):
+    """How agents and clients authenticate to each other."""
+
+    secret_ref: LocalObjectReference | None = None
+    """Secret whose key ``token`` holds the pool token. When absent the operator generates one
+    (Secret ``<pool>-token``) once and never rotates it by itself."""
+
+
+class AgentSpec(ApiModel):
+    """The node agent DaemonSet."""
+
+    image: str | None = Field(default=None, min_length=1)
+    """Agent container image; defaults to the operator's own image."""
+    resources: ResourceRequirements | None = None
+    """Compute resources of the agent container."""
+    port: int = Field(default=7400, ge=1, le=65535)
+    """Port the agent serves the store protocol on."""
+
+
+class KVPoolSpec(ApiModel):
+    """Desired state of a KV cache pool."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels a node must carry to run an agent of this pool (empty: every node)."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations for the agent pods."""
+    tiers: Tiers
+    """Storage tiers and their sizes."""
+    replication: Replication = nested(Replication)
+    """Redundancy of stored blocks."""
+    eviction: Eviction = nested(Eviction)
+    """Eviction policy and watermarks."""
+    transport: TransportSpec = nested(TransportSpec)
+    """Data paths between endpoints."""
+    lease_seconds: int = Field(default=10, ge=1, le=3600)
+    """How long a reader's lease protects a block from eviction."""
+    auth: AuthSpec | None = None
+    """Pool token; generated when absent."""
+    agent: AgentSpec = nested(AgentSpec)
+    """Node agent settings."""
+
+
+class NodeCounts(ApiModel):
+    """How many nodes should and do run a ready agent."""
+
+    desired: int = 0
+    """Nodes selected by the pool."""
+    ready: int = 0
+    """Nodes whose agent reports ready."""
+
+
+class TierBytes(ApiModel):
+    """A byte count per tier, summed over the pool's ready nodes."""
+
+    hbm: int = 0
+    """Bytes in the HBM tier."""
+    dram: int = 0
+    """Bytes in the DRAM tier."""
+    ssd: int = 0
+    """Bytes in the SSD tier."""
+
+
+class Endpoint(ApiModel):
+    """Where one node's agent can be reached."""
+
+    node: str
+    """Node name."""
+    address: str
+    """IP address of the agent."""
+    port: int = Field(ge=1, le=65535)
+    """Store protocol port."""
+    transports: list[Transport] = Field(default_factory=list)
+    """Transports this agent offers."""
+
+
+class KVPoolStatus(ApiModel):
+    """Observed state of the pool, written by the operator."""
+
+    observed_generation: int | None = None
+    """The metadata.generation this status describes."""
+    conditions: list[Condition] = conditions_field()
+    """Ready, Progressing and Degraded, with reasons."""
+    nodes: NodeCounts = Field(default_factory=NodeCounts)
+    """Agent nodes, desired and ready."""
+    capacity: TierBytes = Field(default_factory=TierBytes)
+    """Bytes the pool can hold, per tier."""
+    used: TierBytes = Field(default_factory=TierBytes)
+    """Bytes in use, per tier."""
+    endpoints: list[Endpoint] = Field(default_factory=list)
+    """Ready agents."""
+
+
+class KVPool(CustomResource):
+    """A pool of KV cache memory (HBM, DRAM, SSD) served by a node agent on each selected node."""
+
+    crd: ClassVar[CRDInfo] = CRDInfo(
+        kind="KVPool",
+        plural="kvpools",
+        short_names=("kvp",),
+        printer_columns=(
+            PrinterColumn("Ready Nodes", ".status.nodes.ready", "integer", "Nodes with a ready agent"),
+            PrinterColumn("Desired Nodes", ".status.nodes.desired", "integer", "Nodes selected", priority=1),
+            PrinterColumn("DRAM", ".spec.tiers.dram.bytesPerNode", "string", "DRAM tier per node"),
+            PrinterColumn("SSD", ".spec.tiers.ssd.bytesPerNode", "string", "SSD tier per node"),
+            PrinterColumn("HBM", ".spec.tiers.hbm.bytesPerDevice", "string", "HBM tier per device", priority=1),
+            PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status', "string", "Ready condition",
+                          priority=1),
+            PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
+        ),
+    )
+
+    kind: Literal["KVPool"] = "KVPool"
+    """Kind of this object."""
+    spec: KVPoolSpec
+    """Desired state."""
+    status: KVPoolStatus = Field(default_factory=KVPoolStatus)
+    """Observed state (written by the operator)."""

@@ -1,0 +1,259 @@
+"""The PDDeployment resource: one model served by prefill and decode engines that share a KVPool."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from daybreak.api.base import ApiModel, CelRule, CRDInfo, CustomResource, PrinterColumn, nested
+from daybreak.api.kube import (
+    Condition,
+    EnvVar,
+    FreeForm,
+    LocalObjectReference,
+    PercentOrCount,
+    ResourceRequirements,
+    conditions_field,
+    env_field,
+)
+from daybreak.api.kvcompat import EngineKind, KVLayout, kv_namespace
+from pydantic import AwareDatetime, Field
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+class CachePolicy(StrEnum):
+    PRESERVE = "preserve"
+    FLUSH = "flush"
+
+
+class ModelSpec(ApiModel):
+    """The model served, and the KV layout its engine produces."""
+
+    name: str = Field(min_length=1, max_length=512)
+    """Model name as the engine loads it (e.g. a Hugging Face id: meta-llama/Llama-3.1-8B-Instruct)."""
+    revision: str = Field(min_length=1, max_length=256)
+    """Exact weights revision (pin a commit hash; a moving tag like main can mix incompatible caches)."""
+    kv_layout: KVLayout
+    """KV cache shape; with name, revision and engine kind it determines status.kvNamespace."""
+
+
+class EngineSpec(ApiModel):
+    """The inference engine container run by prefill and decode pods."""
+
+    __cel_rules__ = (
+        CelRule(
+            rule="self.kind == 'sim' || has(self.image)",
+            message="image is required unless kind is sim",
+            field_path=".image",
+            reason="FieldValueRequired",
+        ),
+    )
+
+    kind: EngineKind
+    """Engine: vllm, sglang, or sim (Daybreak's simulated engine, for tests and demos)."""
+    image: str | None = Field(default=None, min_length=1)
+    """Engine container image; the sim engine defaults to the operator's own image."""
+    args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for the engine."""
+    env: list[EnvVar] = env_field()
+    """Extra environment variables for the engine container."""
+
+
+class RoleSpec(ApiModel):
+    """One role's scale set (prefill or decode)."""
+
+    __cel_rules__ = (
+        CelRule(
+            rule="!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            message="minReplicas must be less than or equal to replicas",
+            message_expression="'minReplicas (' + string(self.minReplicas) + ') must be less than or equal to"
+            " replicas (' + string(self.replicas) + ')'",
+            field_path=".minReplicas",
+        ),
+        CelRule(
+            rule="!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            message="replicas must be less than or equal to maxReplicas",
+            message_expression="'replicas (' + string(self.replicas) + ') must be less than or equal to"
+            " maxReplicas (' + string(self.maxReplicas) + ')'",
+            field_path=".replicas",
+        ),
+        CelRule(
+            rule="!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            message="minReplicas must be less than or equal to maxReplicas",
+            field_path=".minReplicas",
+        ),
+    )
+
+    replicas: int = Field(default=1, ge=0, le=10000)
+    """Pods of this role (the autoscaler changes it within minReplicas..maxReplicas)."""
+    min_replicas: int | None = Field(default=None, ge=0, le=10000)
+    """Lower bound for the autoscaler; defaults to replicas."""
+    max_replicas: int | None = Field(default=None, ge=1, le=10000)
+    """Upper bound for the autoscaler; defaults to replicas."""
+    resources: ResourceRequirements | None = None
+    """Compute resources of the engine container (accelerators included)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels a node must carry to run pods of this role."""
+    template: FreeForm | None = None
+    """Partial Pod template (metadata and spec fields) merged over the generated one."""
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) replicas for the autoscaler, each defaulting to replicas."""
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        high = self.replicas if self.max_replicas is None else self.max_replicas
+        return low, high
+
+
+class RouterSpec(ApiModel):
+    """The request router that sends each request to a prefill, then a decode pod."""
+
+    enabled: bool = True
+    """Run the router (Deployment and Service)."""
+    replicas: int = Field(default=1, ge=0, le=100)
+    """Router pods."""
+
+
+class AutoscalingSpec(ApiModel):
+    """Latency-driven scaling of prefill (time to first token) and decode (inter-token latency)."""
+
+    enabled: bool = False
+    """Let the operator change role replicas within their bounds."""
+    ttft_seconds: float = Field(default=1.0, gt=0, le=3600)
+    """Target time to first token; prefill scales up when it is exceeded."""
+    itl_seconds: float = Field(default=0.05, gt=0, le=60)
+    """Target inter-token latency; decode scales up when it is exceeded."""
+    interval_seconds: int = Field(default=15, ge=1, le=3600)
+    """How often the metrics are evaluated."""
+    scale_up_stabilization_seconds: int = Field(default=30, ge=0, le=3600)
+    """A scale-up needs the target missed for this long."""
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    """A scale-down needs the load low for this long."""
+
+
+class UpdateStrategy(ApiModel):
+    """How a spec change rolls out to the role pods."""
+
+    __cel_rules__ = (
+        CelRule(
+            rule="!((self.maxSurge == 0 || self.maxSurge == '0%') && (self.maxUnavailable == 0"
+            " || self.maxUnavailable == '0%'))",
+            message="maxSurge and maxUnavailable must not both be 0",
+            field_path=".maxUnavailable",
+        ),
+    )
+
+    max_surge: PercentOrCount = Field(default=1, json_schema_extra={"default": 1})
+    """Extra pods per role allowed during a rollout (count or percentage)."""
+    max_unavailable: PercentOrCount = Field(default=0, json_schema_extra={"default": 0})
+    """Pods per role that may be unavailable during a rollout (count or percentage)."""
+    cache: CachePolicy = CachePolicy.PRESERVE
+    """On a change of status.kvNamespace: preserve keeps the old namespace's blocks until evicted,
+    flush deletes them once the rollout completes."""
+
+
+class PDDeploymentSpec(ApiModel):
+    """Desired state of a prefill/decode deployment."""
+
+    pool_ref: LocalObjectReference
+    """KVPool (same namespace) holding this deployment's KV cache."""
+    model: ModelSpec
+    """Model served."""
+    engine: EngineSpec
+    """Inference engine."""
+    prefill: RoleSpec = nested(RoleSpec)
+    """Prefill role."""
+    decode: RoleSpec = nested(RoleSpec)
+    """Decode role."""
+    router: RouterSpec = nested(RouterSpec)
+    """Request router."""
+    autoscaling: AutoscalingSpec = nested(AutoscalingSpec)
+    """Latency-driven autoscaling."""
+    update_strategy: UpdateStrategy = nested(UpdateStrategy)
+    """Rollout settings."""
+
+    def kv_namespace(self) -> str:
+        """The KV compatibility key of this spec (see ``daybreak.api.kvcompat``)."""
+        return kv_namespace(
+            model_name=self.model.name, model_revision=self.model.revision,
+            layout=self.model.kv_layout, engine=self.engine.kind,
+        )
+
+
+class RoleStatus(ApiModel):
+    """Observed pods of one role."""
+
+    replicas: int = 0
+    """Pods that exist."""
+    ready_replicas: int = 0
+    """Pods that are ready."""
+    updated_replicas: int = 0
+    """Pods running the current revision."""
+
+
+class LastScale(ApiModel):
+    """The most recent replica change made by the autoscaler."""
+
+    time: AwareDatetime
+    """When it happened."""
+    role: Role
+    """Which role was scaled."""
+    from_replicas: int = Field(alias="from", ge=0)
+    """Replicas before."""
+    to_replicas: int = Field(alias="to", ge=0)
+    """Replicas after."""
+    reason: str
+    """Why (which target was missed or how long the load was low)."""
+
+
+class PDDeploymentStatus(ApiModel):
+    """Observed state of the deployment, written by the operator."""
+
+    observed_generation: int | None = None
+    """The metadata.generation this status describes."""
+    conditions: list[Condition] = conditions_field()
+    """Ready, Progressing and Degraded, with reasons (e.g. PoolNotFound)."""
+    prefill: RoleStatus = Field(default_factory=RoleStatus)
+    """Prefill pods."""
+    decode: RoleStatus = Field(default_factory=RoleStatus)
+    """Decode pods."""
+    router: RoleStatus = Field(default_factory=RoleStatus)
+    """Router pods."""
+    kv_namespace: str | None = None
+    """KV compatibility key of the current spec: engines only reuse blocks within one namespace."""
+    revision: str | None = None
+    """Hash of the pod template currently rolled out."""
+    last_scale: LastScale | None = None
+    """The most recent autoscaling decision."""
+
+
+class PDDeployment(CustomResource):
+    """A model served by disaggregated prefill and decode engines sharing a KVPool."""
+
+    crd: ClassVar[CRDInfo] = CRDInfo(
+        kind="PDDeployment",
+        plural="pddeployments",
+        short_names=("pdd",),
+        printer_columns=(
+            PrinterColumn("Prefill", ".status.prefill.readyReplicas", "integer", "Ready prefill pods"),
+            PrinterColumn("Decode", ".status.decode.readyReplicas", "integer", "Ready decode pods"),
+            PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status', "string", "Ready condition"),
+            PrinterColumn("KV-NS", ".status.kvNamespace", "string", "KV compatibility key"),
+            PrinterColumn("Pool", ".spec.poolRef.name", "string", "KVPool used", priority=1),
+            PrinterColumn("Engine", ".spec.engine.kind", "string", "Inference engine", priority=1),
+            PrinterColumn("Model", ".spec.model.name", "string", "Model served", priority=1),
+            PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
+        ),
+    )
+
+    kind: Literal["PDDeployment"] = "PDDeployment"
+    """Kind of this object."""
+    spec: PDDeploymentSpec
+    """Desired state."""
+    status: PDDeploymentStatus = Field(default_factory=PDDeploymentStatus)
+    """Observed state (written by the operator)."""
