@@ -1,0 +1,201 @@
+"""Transfer requests, per-request results and the batch handle callers wait on (threads or asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daybreak.agent.transfer.engine import RemoteSegment
+
+
+class Op(enum.Enum):
+    """READ copies remote -> local; WRITE copies local -> remote."""
+
+    READ = "read"
+    WRITE = "write"
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+
+
+class TransferError(Exception):
+    """A request (or a whole batch, from ``raise_for_status``) did not complete; the message says why."""
+
+
+@dataclass(slots=True)
+class TransferRequest:
+    """One READ or WRITE of ``length`` bytes between a local buffer and a remote segment.
+
+    ``local`` is any buffer (``memoryview``, ``bytearray``, ``mmap``; writable for READ) or a
+    registered ``LocalSegment``; ``local_offset`` is where in it the bytes start. ``length``
+    defaults to the rest of the local buffer.
+    """
+
+    op: Op
+    remote: RemoteSegment
+    remote_offset: int
+    local: Any
+    local_offset: int = 0
+    length: int | None = None
+
+    @classmethod
+    def read(cls, remote: RemoteSegment, remote_offset: int, into: Any, *, local_offset: int = 0,
+             length: int | None = None) -> TransferRequest:
+        return cls(Op.READ, remote, remote_offset, into, local_offset, length)
+
+    @classmethod
+    def write(cls, remote: RemoteSegment, remote_offset: int, source: Any, *, local_offset: int = 0,
+              length: int | None = None) -> TransferRequest:
+        return cls(Op.WRITE, remote, remote_offset, source, local_offset, length)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """Outcome of one request: status, the transport that finished it (or last tried), and the cause."""
+
+    status: Status = Status.PENDING
+    transport: str = ""
+    error: str = ""
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.COMPLETED
+
+
+class BatchHandle:
+    """Completion of one submitted batch: poll (``done``), block (``wait``) or ``await`` it.
+
+    Every request ends ``completed``, ``failed`` or ``timeout`` no later than the batch
+    deadline (plus the engine's reaction time); ``results[i]`` belongs to request ``i``.
+    After a request fails or times out the bytes of its destination range are undefined.
+    """
+
+    __slots__ = ("_callbacks", "_cond", "_lock", "_on_expire", "_remaining", "deadline", "results", "size")
+
+    def __init__(self, size: int, *, deadline: float, on_expire: Callable[[BatchHandle], None] | None = None) -> None:
+        self.size = size
+        self.deadline = deadline  # time.monotonic() value
+        self.results = [RequestResult() for _ in range(size)]
+        self._remaining = size
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._callbacks: list[Callable[[BatchHandle], None]] = []
+        self._on_expire = on_expire
+
+    # -- completion, called by the engine and transports -------------------------
+    def finish(self, index: int, status: Status, *, transport: str = "", error: str = "") -> bool:
+        """Set request ``index``'s final status once; later calls for it are ignored (returns False)."""
+        with self._lock:
+            result = self.results[index]
+            if result.status is not Status.PENDING:
+                return False
+            result.status = status
+            if transport:
+                result.transport = transport
+            result.error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+            if last:
+                self._cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, []
+        if last:
+            for callback in callbacks:
+                callback(self)
+        return True
+
+    def is_pending(self, index: int) -> bool:
+        return self.results[index].status is Status.PENDING
+
+    def expire(self, cause: str = "") -> int:
+        """Time out every request still pending; returns how many were."""
+        expired = 0
+        for index in range(self.size):
+            if self.results[index].status is Status.PENDING:
+                reason = cause or "deadline passed before the request completed"
+                expired += self.finish(index, Status.TIMEOUT, error=reason)
+        if expired and self._on_expire is not None:
+            self._on_expire(self)
+        return expired
+
+    # -- caller side -------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._remaining == 0
+
+    @property
+    def ok(self) -> bool:
+        return self.done() and all(r.status is Status.COMPLETED for r in self.results)
+
+    def wait(self, timeout_s: float | None = None) -> list[RequestResult]:
+        """Block until every request has finished or the batch deadline passed (then they time out).
+
+        ``timeout_s`` only bounds this call: when it runs out first, the requests keep going
+        and the results returned may still contain ``pending`` entries.
+        """
+        limit = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+        with self._lock:
+            while self._remaining:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        if self._remaining and time.monotonic() >= self.deadline:
+            self.expire()
+        return self.results
+
+    def add_done_callback(self, callback: Callable[[BatchHandle], None]) -> None:
+        """Call ``callback(handle)`` once every request has finished (at once if already done)."""
+        with self._lock:
+            if self._remaining:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    async def wait_async(self) -> list[RequestResult]:
+        """The asyncio form of ``wait``; the deadline still applies."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: BatchHandle) -> None:
+            loop.call_soon_threadsafe(_settle, future)
+
+        self.add_done_callback(wake)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self.expire()
+        return self.results
+
+    def __await__(self) -> Generator[Any, None, list[RequestResult]]:
+        return self.wait_async().__await__()
+
+    def raise_for_status(self) -> None:
+        """Raise ``TransferError`` listing the requests that did not complete."""
+        bad = [(i, r) for i, r in enumerate(self.results) if r.status is not Status.COMPLETED]
+        if bad:
+            head = "; ".join(f"#{i} {r.status.value} via {r.transport or '-'}: {r.error}" for i, r in bad[:5])
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise TransferError(f"{len(bad)} of {self.size} requests did not complete: {head}{more}")
+
+
+def summarize(results: Sequence[RequestResult]) -> dict[str, int]:
+    """Count results by status, for logs."""
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.status.value] = counts.get(result.status.value, 0) + 1
+    return counts
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,607 @@
+"""The transfer engine: registers segments, routes each request to a transport, and owns deadlines and failover.
+
+See ``daybreak.agent.transfer`` for the public API walk-through. Internals:
+``submit`` validates every request (bad input raises ``ValueError`` naming the
+field before anything moves), turns each into a ``Job`` with a fallback chain
+computed from the remote descriptor and this node (same node: link -> shm ->
+tcp; other node: rdma -> tcp), and hands jobs to the first transport of their
+chain whose path the circuit breaker allows. A transport reports each job
+back as done, as a request error (bad offset, unknown segment: no fallback) or
+as a path failure (the breaker counts it and the job moves down its chain while
+its deadline allows). A monitor thread times out batches at their deadline and
+tells the transports to abort what is still in flight for them, so NOTHING
+WAITS PAST A DEADLINE: a caller blocked in ``wait`` returns at the deadline even
+if a transport thread is stuck in a system call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from daybreak.agent.transfer import metrics
+from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
+from daybreak.agent.transfer.breaker import CircuitBreaker
+from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
+from daybreak.agent.transfer.segment import ShmSegment
+
+log = logging.getLogger("daybreak.transfer")
+
+TRANSPORTS = ("link", "rdma", "shm", "tcp")
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """A range of accelerator memory from the runtime: device index, device pointer, size in bytes."""
+
+    device: int
+    ptr: int
+    size: int
+
+
+class LocalSegment:
+    """A segment registered with this engine; ``descriptor`` is what peers need to reach it."""
+
+    def __init__(self, *, name: str, segment_id: str, size: int, handle: int, buffer: memoryview | None,
+                 shm: ShmSegment | None, device: DeviceMemory | None) -> None:
+        self.name = name
+        self.segment_id = segment_id
+        self.size = size
+        self.handle = handle  # number on this engine's tcp server
+        self.buffer = buffer  # host memory; None for device memory
+        self.shm = shm
+        self.device = device
+        self.address = _address_of(buffer) if buffer is not None else (device.ptr if device else 0)
+        self.nic_regions: tuple[NicRegion, ...] = ()
+        self.device_region: DeviceRegion | None = None
+        self.descriptor: SegmentDescriptor  # set by the engine once every transport has registered it
+        self.transport_state: dict[str, Any] = {}
+
+    @property
+    def kind(self) -> str:
+        return "device" if self.device is not None else "host"
+
+    def __repr__(self) -> str:
+        return f"LocalSegment({self.segment_id!r}, size={self.size}, kind={self.kind})"
+
+
+class RemoteSegment:
+    """A peer's segment opened from its descriptor; pass it as ``TransferRequest.remote``."""
+
+    def __init__(self, descriptor: SegmentDescriptor, *, same_node: bool) -> None:
+        self.descriptor = descriptor
+        self.segment_id = descriptor.segment_id
+        self.size = descriptor.size
+        self.same_node = same_node
+        self.transport_state: dict[str, Any] = {}
+        self.chain: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"RemoteSegment({self.segment_id!r}, size={self.size}, chain={'->'.join(self.chain)})"
+
+
+class Job:
+    """One request on its way: the resolved local view, its fallback chain and where in it it is."""
+
+    __slots__ = ("attempts", "batch", "chain", "errors", "index", "length", "local_device", "local_offset",
+                 "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
+
+    def __init__(self, *, batch: BatchHandle, index: int, op: Op, remote: RemoteSegment, remote_offset: int,
+                 length: int, view: memoryview | None, local_segment: LocalSegment | None, local_offset: int,
+                 local_device: DeviceMemory | None, chain: tuple[str, ...]) -> None:
+        self.batch = batch
+        self.index = index
+        self.op = op
+        self.remote = remote
+        self.remote_offset = remote_offset
+        self.length = length
+        self.view = view  # host bytes of the local side, exactly ``length`` long
+        self.local_segment = local_segment
+        self.local_offset = local_offset
+        self.local_device = local_device
+        self.chain = chain
+        self.pos = 0
+        self.attempts = 0
+        self.errors: list[str] = []
+        self.state: Any = None  # scratch for the transport that holds the job
+
+    @property
+    def transport(self) -> str:
+        return self.chain[self.pos]
+
+    @property
+    def peer(self) -> str:
+        return self.remote.descriptor.engine_id
+
+    def pending(self) -> bool:
+        return self.batch.is_pending(self.index)
+
+
+class Transport:
+    """What the engine needs from a transport; each one reports jobs back through ``engine.job_*``."""
+
+    name = ""
+
+    def supports(self, job: Job) -> bool:
+        return True
+
+    def start(self, jobs: list[Job]) -> None:
+        raise NotImplementedError
+
+    def abort(self, batch: BatchHandle) -> None:
+        """Stop touching the buffers of ``batch`` (its deadline passed)."""
+
+    def register(self, segment: LocalSegment) -> None:
+        """Make ``segment`` reachable by peers (fill in its descriptor entries)."""
+
+    def unregister(self, segment: LocalSegment) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _address_of(buffer: memoryview) -> int:
+    import ctypes
+
+    if buffer.readonly:
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _byte_view(obj: Any, *, field: str) -> memoryview:
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise ValueError(f"{field}: expected a buffer (memoryview, bytearray, mmap) or a LocalSegment, "
+                         f"got {type(obj).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError(f"{field}: buffer must be C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class _DeadlineMonitor(threading.Thread):
+    """Times out batches at their deadline, even if nobody waits on them."""
+
+    def __init__(self) -> None:
+        super().__init__(name="transfer-deadlines", daemon=True)
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, BatchHandle]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+
+    def watch(self, batch: BatchHandle) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (batch.deadline, next(self._seq), batch))
+            if self._heap[0][2] is batch:
+                self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped:
+                    while self._heap and self._heap[0][2].done():
+                        heapq.heappop(self._heap)
+                    if self._heap and self._heap[0][0] <= time.monotonic():
+                        break
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                if self._stopped:
+                    return
+                _, _, batch = heapq.heappop(self._heap)
+            expired = batch.expire()
+            if expired:
+                log.warning("transfer batch timed out requests=%d of=%d", expired, batch.size)
+
+
+class TransferEngine:
+    """Moves bytes between registered segments of this process and its peers. One per process is typical.
+
+    Parameters (all keyword-only):
+      node: name of this node (default: the host name); shm and link are used only
+        between engines whose descriptors name the same node.
+      listen: ``host:port`` for the tcp server (port 0 picks a free one); ``advertise``
+        overrides the address put into descriptors (default: the bound address).
+      transports: which transports to enable, a subset of ``link, rdma, shm, tcp``.
+        rdma and link enable themselves only when their hardware layer loads.
+      tcp_connections: connections per peer; slice_bytes: largest tcp slice/frame payload.
+      checksum: crc32c every tcp slice (both directions).
+      token: shared secret checked when a tcp connection opens (empty: none).
+      timeout_s: default deadline of a batch, in seconds.
+      verbs: a pyverbs-compatible module for rdma (default: import pyverbs).
+      copier: a ``PeerCopier`` for the link transport (default: none, link disabled).
+      topology: a ``TopologyView`` for NIC ranking and GDR decisions (default: host only).
+    """
+
+    def __init__(self, *, node: str | None = None, listen: str = "127.0.0.1:0", advertise: str | None = None,
+                 transports: Iterable[str] = TRANSPORTS, tcp_connections: int = 2, slice_bytes: int = 4 << 20,
+                 checksum: bool = False, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 breaker: CircuitBreaker | None = None, verbs: Any = None, copier: Any = None,
+                 topology: Any = None) -> None:
+        wanted = tuple(transports)
+        unknown = [t for t in wanted if t not in TRANSPORTS]
+        if unknown:
+            raise ValueError(f"transports: unknown {unknown}, expected a subset of {list(TRANSPORTS)}")
+        if tcp_connections < 1:
+            raise ValueError(f"tcp_connections: must be >= 1, got {tcp_connections}")
+        if not 4096 <= slice_bytes <= 256 << 20:
+            raise ValueError(f"slice_bytes: must be between 4096 and 256 MiB, got {slice_bytes}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be positive, got {timeout_s}")
+        self.engine_id = uuid.uuid4().hex[:16]
+        self.node = node or default_node_name()
+        self.listen = listen
+        self.advertise = advertise
+        self.tcp_connections = tcp_connections
+        self.slice_bytes = slice_bytes
+        self.checksum = checksum
+        self.token = token
+        self.timeout_s = timeout_s
+        self.breaker = breaker or CircuitBreaker()
+        self._wanted = wanted
+        self._verbs = verbs
+        self._copier = copier
+        self._topology = topology
+        self._transports: dict[str, Transport] = {}
+        self._segments: dict[str, LocalSegment] = {}
+        self._by_handle: dict[int, LocalSegment] = {}
+        self._remotes: dict[str, RemoteSegment] = {}
+        self._handles = itertools.count(1)
+        self._lock = threading.Lock()
+        self._monitor = _DeadlineMonitor()
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> TransferEngine:
+        """Start the tcp server and probe rdma/link; returns self. Idempotent."""
+        if self._started:
+            return self
+        from daybreak.agent.transfer.shm import ShmTransport
+        from daybreak.agent.transfer.tcp import TcpTransport
+
+        if "shm" in self._wanted:
+            self._transports["shm"] = ShmTransport(self)
+        if "tcp" in self._wanted:
+            self._transports["tcp"] = TcpTransport(self)
+        if "rdma" in self._wanted:
+            from daybreak.agent.transfer.rdma import RdmaTransport, RdmaUnavailable
+
+            try:
+                self._transports["rdma"] = RdmaTransport(self, verbs=self._verbs, topology=self._topology)
+            except RdmaUnavailable as exc:
+                log.info("transfer rdma disabled engine=%s cause=%r fallback=tcp", self.engine_id, str(exc))
+        if "link" in self._wanted:
+            if self._copier is None:
+                log.info("transfer link disabled engine=%s cause='no accelerator peer copier' fallback=shm,tcp",
+                         self.engine_id)
+            else:
+                from daybreak.agent.transfer.link import LinkTransport
+
+                self._transports["link"] = LinkTransport(self, self._copier)
+        self._monitor.start()
+        self._started = True
+        log.info("transfer engine started engine=%s node=%s transports=%s tcp=%s", self.engine_id, self.node,
+                 ",".join(self._transports), self.tcp_endpoint or "-")
+        return self
+
+    def close(self) -> None:
+        """Stop serving and fail nothing silently: callers still waiting hit their deadlines."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        self._monitor.stop()
+        for transport in self._transports.values():
+            transport.close()
+        log.info("transfer engine closed engine=%s", self.engine_id)
+
+    def __enter__(self) -> TransferEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """Transports that are up in this engine."""
+        return tuple(self._transports)
+
+    @property
+    def tcp_endpoint(self) -> str:
+        tcp = self._transports.get("tcp")
+        return getattr(tcp, "endpoint", "") if tcp is not None else ""
+
+    def transport(self, name: str) -> Transport:
+        return self._transports[name]
+
+    # -- segments ----------------------------------------------------------------------------
+    def register_segment(self, memory: ShmSegment | DeviceMemory | Any, *, name: str | None = None) -> LocalSegment:
+        """Make ``memory`` reachable by peers; returns the segment with its ``descriptor``.
+
+        ``memory`` is a ``ShmSegment`` (reachable by shm, tcp and rdma), any other writable
+        host buffer (tcp and rdma), or ``DeviceMemory`` (link and rdma with GDR).
+        """
+        self._require_started()
+        shm: ShmSegment | None = None
+        device: DeviceMemory | None = None
+        buffer: memoryview | None = None
+        if isinstance(memory, ShmSegment):
+            shm, buffer, default_name = memory, _byte_view(memory.buffer, field="memory"), memory.name
+        elif isinstance(memory, DeviceMemory):
+            device, default_name = memory, f"dev{memory.device}-{memory.ptr:x}"
+            if memory.size <= 0:
+                raise ValueError(f"memory.size: must be positive, got {memory.size}")
+        else:
+            buffer = _byte_view(memory, field="memory")
+            if buffer.readonly:
+                raise ValueError("memory: segments must be writable (peers WRITE into them)")
+            default_name = f"buf-{_address_of(buffer):x}"
+        size = device.size if device is not None else len(buffer)  # type: ignore[arg-type]
+        if size <= 0:
+            raise ValueError("memory: segment must not be empty")
+        seg_name = name or default_name
+        segment_id = f"{self.engine_id}/{seg_name}"
+        with self._lock:
+            if segment_id in self._segments:
+                raise ValueError(f"name: segment {seg_name!r} is already registered")
+            handle = next(self._handles)
+        segment = LocalSegment(name=seg_name, segment_id=segment_id, size=size, handle=handle, buffer=buffer,
+                               shm=shm, device=device)
+        for transport in self._transports.values():
+            transport.register(segment)
+        segment.descriptor = SegmentDescriptor(
+            segment_id=segment_id, engine_id=self.engine_id, node=self.node, size=size,
+            kind="device" if device is not None else "host",
+            shm_name=shm.name if shm is not None and "shm" in self._transports else "",
+            tcp_endpoint=self.tcp_endpoint if buffer is not None else "", tcp_handle=handle,
+            rdma=segment.nic_regions, device=segment.device_region)
+        with self._lock:
+            self._segments[segment_id] = segment
+            self._by_handle[handle] = segment
+        log.info("transfer segment registered segment=%s size=%d kind=%s", segment_id, size, segment.kind)
+        return segment
+
+    def unregister_segment(self, segment: LocalSegment | str) -> None:
+        """Stop serving a segment; peers' later requests to it fail with 'unknown segment'."""
+        segment_id = segment if isinstance(segment, str) else segment.segment_id
+        with self._lock:
+            found = self._segments.pop(segment_id, None)
+            if found is not None:
+                self._by_handle.pop(found.handle, None)
+        if found is None:
+            raise KeyError(f"segment {segment_id!r} is not registered")
+        for transport in self._transports.values():
+            transport.unregister(found)
+
+    def served_segment(self, handle: int) -> LocalSegment | None:
+        """The local segment a peer addresses by its tcp handle."""
+        return self._by_handle.get(handle)
+
+    def local_segments(self) -> list[LocalSegment]:
+        return list(self._segments.values())
+
+    def open_remote(self, descriptor: SegmentDescriptor | str | bytes | dict[str, Any]) -> RemoteSegment:
+        """Open a peer's segment from its descriptor (object, JSON text/bytes or dict); cached per segment id."""
+        if isinstance(descriptor, (str, bytes)):
+            descriptor = SegmentDescriptor.from_json(descriptor)
+        elif isinstance(descriptor, dict):
+            descriptor = SegmentDescriptor.from_dict(descriptor)
+        with self._lock:
+            remote = self._remotes.get(descriptor.segment_id)
+            if remote is not None and remote.descriptor == descriptor:
+                return remote
+            remote = RemoteSegment(descriptor, same_node=descriptor.node == self.node)
+            remote.chain = self._chain(remote, local_device=False)
+            self._remotes[descriptor.segment_id] = remote
+        return remote
+
+    # -- routing ------------------------------------------------------------------------------
+    def _chain(self, remote: RemoteSegment, *, local_device: bool) -> tuple[str, ...]:
+        d = remote.descriptor
+        have = self._transports
+        chain: list[str] = []
+        if d.kind == "device" or local_device:
+            # device memory moves device-to-device (link) or NIC-to-device (rdma, GDR); never
+            # silently through host memory
+            if remote.same_node and "link" in have and d.device is not None:
+                chain.append("link")
+            if "rdma" in have and d.rdma and not remote.same_node:
+                chain.append("rdma")
+            return tuple(chain)
+        if remote.same_node and "shm" in have and d.shm_name:
+            chain.append("shm")
+        if not remote.same_node and "rdma" in have and d.rdma:
+            chain.append("rdma")
+        if "tcp" in have and d.tcp_endpoint:
+            chain.append("tcp")
+        return tuple(chain)
+
+    def route(self, remote: RemoteSegment) -> tuple[str, ...]:
+        """The fallback chain requests from host memory to ``remote`` take, best first."""
+        return remote.chain
+
+    # -- submitting ------------------------------------------------------------------------------
+    def submit(self, requests: Sequence[TransferRequest], *, timeout_s: float | None = None) -> BatchHandle:
+        """Start a batch; returns at once (shm copies run inline) with a handle to wait or await on.
+
+        Raises ``ValueError`` naming the field for a malformed request; nothing moves then.
+        """
+        self._require_started()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise ValueError(f"timeout_s: must be positive, got {timeout}")
+        batch = BatchHandle(len(requests), deadline=time.monotonic() + timeout, on_expire=self._abort)
+        jobs = [self._job(batch, i, request) for i, request in enumerate(requests)]
+        if not jobs:
+            return batch
+        self._monitor.watch(batch)
+        self._dispatch(jobs)
+        return batch
+
+    def transfer(self, requests: Sequence[TransferRequest], *, timeout_s: float | None = None) -> list[RequestResult]:
+        """``submit`` then ``wait``; raises ``TransferError`` if any request did not complete."""
+        batch = self.submit(requests, timeout_s=timeout_s)
+        batch.wait()
+        batch.raise_for_status()
+        return batch.results
+
+    def _job(self, batch: BatchHandle, index: int, request: TransferRequest) -> Job:
+        where = f"requests[{index}]"
+        if not isinstance(request, TransferRequest):
+            raise ValueError(f"{where}: expected TransferRequest, got {type(request).__name__}")
+        if not isinstance(request.op, Op):
+            raise ValueError(f"{where}.op: expected Op.READ or Op.WRITE, got {request.op!r}")
+        remote = request.remote
+        if not isinstance(remote, RemoteSegment):
+            raise ValueError(f"{where}.remote: expected a RemoteSegment from open_remote, got {type(remote).__name__}")
+        local = request.local
+        local_segment: LocalSegment | None = None
+        local_device: DeviceMemory | None = None
+        view: memoryview | None = None
+        if isinstance(local, LocalSegment):
+            local_segment = local
+            local_device = local.device
+            view = local.buffer
+            capacity = local.size
+        elif isinstance(local, DeviceMemory):
+            local_device = local
+            capacity = local.size
+        else:
+            view = _byte_view(local, field=f"{where}.local")
+            capacity = len(view)
+        offset = request.local_offset
+        if offset < 0 or offset > capacity:
+            raise ValueError(f"{where}.local_offset: {offset} outside the local buffer of {capacity} bytes")
+        length = capacity - offset if request.length is None else request.length
+        if length <= 0 or offset + length > capacity:
+            raise ValueError(f"{where}.length: {length} bytes at local_offset {offset} do not fit the local "
+                             f"buffer of {capacity} bytes")
+        if request.remote_offset < 0 or request.remote_offset + length > remote.size:
+            raise ValueError(f"{where}.remote_offset: {request.remote_offset}+{length} outside remote segment "
+                             f"{remote.segment_id} of {remote.size} bytes")
+        if view is not None:
+            if request.op is Op.READ and view.readonly:
+                raise ValueError(f"{where}.local: READ needs a writable buffer")
+            view = view[offset:offset + length]
+        chain = remote.chain if local_device is None else self._chain(remote, local_device=True)
+        return Job(batch=batch, index=index, op=request.op, remote=remote, remote_offset=request.remote_offset,
+                   length=length, view=view, local_segment=local_segment, local_offset=offset,
+                   local_device=local_device, chain=chain)
+
+    def _dispatch(self, jobs: Iterable[Job]) -> None:
+        """Hand each job to the first transport of its remaining chain that the breaker allows."""
+        groups: dict[str, list[Job]] = {}
+        for job in jobs:
+            while job.pos < len(job.chain):
+                name = job.chain[job.pos]
+                transport = self._transports.get(name)
+                if transport is not None and self.breaker.allow((name, job.peer)) and transport.supports(job):
+                    groups.setdefault(name, []).append(job)
+                    break
+                if transport is not None and not self.breaker.allow((name, job.peer)):
+                    job.errors.append(f"{name}: path tripped for "
+                                      f"{self.breaker.cooldown_left((name, job.peer)):.1f}s more")
+                job.pos += 1
+            else:
+                self._fail(job, "no transport can reach the segment" if not job.chain else "all transports failed")
+        for name, group in groups.items():
+            for job in group:
+                job.attempts += 1
+            try:
+                self._transports[name].start(group)
+            except Exception as exc:  # a transport that blows up fails its jobs over, it never loses them
+                log.exception("transfer transport start failed transport=%s", name)
+                for job in group:
+                    self.job_path_failed(job, f"{type(exc).__name__}: {exc}")
+
+    # -- reports from transports ----------------------------------------------------------------
+    def job_done(self, job: Job) -> None:
+        name = job.chain[job.pos]
+        self.breaker.success((name, job.peer))
+        if job.batch.finish(job.index, Status.COMPLETED, transport=name):
+            job.batch.results[job.index].attempts = job.attempts
+            metrics.REQUESTS.labels(name, job.op.value, "completed").inc()
+            metrics.BYTES.labels(name, job.op.value).inc(job.length)
+
+    def jobs_done(self, jobs: Sequence[Job], name: str) -> None:
+        """``job_done`` for many jobs of one transport (cheaper metrics for the small-request fast path)."""
+        nbytes = {Op.READ: 0, Op.WRITE: 0}
+        count = {Op.READ: 0, Op.WRITE: 0}
+        peers: set[str] = set()
+        for job in jobs:
+            if job.batch.finish(job.index, Status.COMPLETED, transport=name):
+                job.batch.results[job.index].attempts = job.attempts
+                nbytes[job.op] += job.length
+                count[job.op] += 1
+            peers.add(job.peer)
+        for peer in peers:
+            self.breaker.success((name, peer))
+        for op in (Op.READ, Op.WRITE):
+            if count[op]:
+                metrics.REQUESTS.labels(name, op.value, "completed").inc(count[op])
+                metrics.BYTES.labels(name, op.value).inc(nbytes[op])
+
+    def job_request_failed(self, job: Job, cause: str) -> None:
+        """The request itself is bad for the peer (unknown segment, range): no fallback would help."""
+        job.errors.append(f"{job.chain[job.pos]}: {cause}")
+        self._fail(job, "")
+
+    def job_path_failed(self, job: Job, cause: str) -> None:
+        """The path failed (connection, mapping, NIC): count it against the path and fall back."""
+        name = job.chain[job.pos]
+        job.errors.append(f"{name}: {cause}")
+        self.breaker.failure((name, job.peer), cause)
+        if not job.pending():
+            return
+        if time.monotonic() >= job.batch.deadline:
+            job.batch.finish(job.index, Status.TIMEOUT, transport=name, error="; ".join(job.errors))
+            return
+        job.pos += 1
+        if job.pos < len(job.chain):
+            metrics.FALLBACKS.labels(name, job.chain[job.pos]).inc()
+            log.info("transfer fallback from=%s to=%s peer=%s cause=%r", name, job.chain[job.pos], job.peer, cause)
+            self._dispatch([job])
+        else:
+            self._fail(job, "")
+
+    def _fail(self, job: Job, cause: str) -> None:
+        name = job.chain[min(job.pos, len(job.chain) - 1)] if job.chain else ""
+        errors = "; ".join([*job.errors, cause] if cause else job.errors)
+        if job.batch.finish(job.index, Status.FAILED, transport=name, error=errors or "failed"):
+            job.batch.results[job.index].attempts = job.attempts
+            metrics.REQUESTS.labels(name or "none", job.op.value, "failed").inc()
+            log.warning("transfer request failed segment=%s op=%s bytes=%d cause=%r", job.remote.segment_id,
+                        job.op.value, job.length, errors)
+
+    def _abort(self, batch: BatchHandle) -> None:
+        for name, transport in self._transports.items():
+            try:
+                transport.abort(batch)
+            except Exception:
+                log.exception("transfer abort failed transport=%s", name)
+
+    def _require_started(self) -> None:
+        if not self._started or self._closed:
+            raise RuntimeError("TransferEngine is not running: call start() (or use it as a context manager)")
+
+
+def default_node_name() -> str:
+    """The node name engines use when none is given: $NODE_NAME (downward API) or the host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()

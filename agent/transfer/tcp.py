@@ -1,0 +1,576 @@
+"""The tcp transport: a server per engine, several connections per peer, sliced frames, zero-copy both ways.
+
+Client side: a batch's requests to one peer are cut into slices of at most
+``slice_bytes`` and small requests are packed together, so one frame carries
+one slice of a big request or many small requests (one ``sendmsg`` with an
+iovec per extent: no bytes are copied in Python). Frames go into the peer's
+queue; every connection has a sender thread taking from it (the striping) and
+a receiver thread that reads ACK/DATA/ERROR answers, landing READ data with
+``recv_into`` straight into the destination buffer. Server side: one thread per
+connection reads a header and lands WRITE payloads with ``recv_into`` straight
+into the registered segment. Both sides speak ``daybreak.agent.transfer.wire``.
+
+Failures: a connection that breaks sends its in-flight frames to the peer's
+other connections (a fresh one when none is left) up to ``MAX_ATTEMPTS`` times
+while the deadline allows; a peer that cannot be reached fails the jobs as a
+path failure. A batch that passes its deadline has the connections carrying
+its frames shut down, so a READ never lands after ``wait`` returned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+from daybreak.agent.transfer import metrics, wire
+from daybreak.agent.transfer.batch import BatchHandle, Op
+from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
+
+log = logging.getLogger("daybreak.transfer.tcp")
+
+MAX_ATTEMPTS = 3
+CONNECT_TIMEOUT_S = 5.0
+_DRAIN = 1 << 20
+
+
+class PeerError(Exception):
+    """The peer answered ERROR for a frame: the request is wrong for it, not the path."""
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
+    """Send every buffer with as few ``sendmsg`` calls as the kernel allows; no joining, no copies."""
+    bufs = [memoryview(b) for b in buffers]
+    first = 0
+    while first < len(bufs):
+        sent = sock.sendmsg(bufs[first:first + 1000])
+        while sent:
+            size = bufs[first].nbytes
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                bufs[first] = bufs[first][sent:]
+                sent = 0
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos, size = 0, view.nbytes
+    while pos < size:
+        got = sock.recv_into(view[pos:], size - pos)
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        pos += got
+
+
+def _parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{field_name}: expected host:port, got {endpoint!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass(slots=True)
+class _Piece:
+    job: Job
+    view: memoryview  # the local bytes of this piece
+    segment: int  # remote tcp handle
+    offset: int  # remote offset
+    crc: int = 0
+
+
+@dataclass(slots=True)
+class _Frame:
+    op: Op
+    batch: BatchHandle
+    pieces: list[_Piece]
+    nbytes: int
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def live(self) -> bool:
+        return any(p.job.pending() for p in self.pieces)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._server = _Server(engine)
+        self.endpoint = self._server.endpoint
+
+    def supports(self, job: Job) -> bool:
+        return job.view is not None and bool(job.remote.descriptor.tcp_endpoint)
+
+    def start(self, jobs: list[Job]) -> None:
+        by_peer: dict[str, list[Job]] = {}
+        for job in jobs:
+            by_peer.setdefault(job.remote.descriptor.tcp_endpoint, []).append(job)
+        for endpoint, group in by_peer.items():
+            with self._lock:
+                peer = self._peers.get(endpoint)
+                if peer is None or peer.closed:
+                    peer = self._peers[endpoint] = _Peer(self._engine, endpoint)
+            peer.submit(group)
+
+    def abort(self, batch: BatchHandle) -> None:
+        for peer in list(self._peers.values()):
+            peer.abort(batch)
+
+    def close(self) -> None:
+        self._server.close()
+        for peer in list(self._peers.values()):
+            peer.close()
+
+
+# ---------------------------------------------------------------------------- client side
+def _slice(jobs: Sequence[Job], *, slice_bytes: int, checksum: bool) -> list[_Frame]:
+    """Cut jobs into frames of at most ``slice_bytes`` payload; small jobs share frames."""
+    frames: list[_Frame] = []
+    for op in (Op.WRITE, Op.READ):
+        pieces: list[_Piece] = []
+        size = 0
+        for job in jobs:
+            if job.op is not op:
+                continue
+            handle = job.remote.descriptor.tcp_handle
+            assert job.view is not None
+            job.state = 0  # pieces still outstanding
+            for start in range(0, job.length, slice_bytes):
+                view = job.view[start:start + slice_bytes]
+                piece = _Piece(job, view, handle, job.remote_offset + start)
+                if checksum and op is Op.WRITE:
+                    piece.crc = crc32c.crc32c(view)
+                job.state += 1
+                if pieces and (size + view.nbytes > slice_bytes or len(pieces) >= wire.MAX_EXTENTS):
+                    frames.append(_Frame(op, job.batch, pieces, size))
+                    pieces, size = [], 0
+                pieces.append(piece)
+                size += view.nbytes
+        if pieces:
+            frames.append(_Frame(op, pieces[0].job.batch, pieces, size))
+    return frames
+
+
+class _Peer:
+    """All connections to one remote engine, sharing one queue of frames."""
+
+    def __init__(self, engine: TransferEngine, endpoint: str) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
+        self.queue: queue.SimpleQueue[_Frame | None] = queue.SimpleQueue()
+        self.conns: list[_Conn] = []
+        self.lock = threading.Lock()  # guards conns; held while connecting
+        self.count_lock = threading.Lock()  # guards the jobs' outstanding-piece counts
+        self.closed = False
+        self.peer_engine = ""
+
+    def submit(self, jobs: list[Job]) -> None:
+        try:
+            self._ensure_connections(jobs[0].batch.deadline)
+        except OSError as exc:
+            for job in jobs:
+                self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}")
+            return
+        for frame in _slice(jobs, slice_bytes=self.engine.slice_bytes, checksum=self.engine.checksum):
+            self.queue.put(frame)
+
+    def _ensure_connections(self, deadline: float) -> None:
+        with self.lock:
+            alive = [c for c in self.conns if c.alive]
+            self.conns = alive
+            missing = self.engine.tcp_connections - len(alive)
+            for _ in range(missing):
+                timeout = max(0.05, min(CONNECT_TIMEOUT_S, deadline - time.monotonic()))
+                try:
+                    conn = _Conn(self, timeout)
+                except OSError:
+                    if self.conns:
+                        break  # fewer connections than asked, but the peer is reachable
+                    raise
+                self.conns.append(conn)
+
+    def requeue(self, frame: _Frame, cause: str) -> None:
+        """A connection broke under ``frame``: try again elsewhere, or fail its jobs over."""
+        frame.errors.append(cause)
+        frame.attempts += 1
+        if not frame.live():
+            return
+        if frame.attempts < MAX_ATTEMPTS and time.monotonic() < frame.batch.deadline and not self.closed:
+            try:
+                self._ensure_connections(frame.batch.deadline)
+            except OSError as exc:
+                frame.errors.append(f"reconnect to {self.endpoint}: {exc}")
+            else:
+                metrics.RETRIES.labels("tcp").inc()
+                self.queue.put(frame)
+                return
+        self.fail_frame(frame, "; ".join(frame.errors[-2:]), path=True)
+
+    def fail_frame(self, frame: _Frame, cause: str, *, path: bool) -> None:
+        seen: set[int] = set()
+        for piece in frame.pieces:
+            job = piece.job
+            if id(job) in seen or not job.pending():
+                continue
+            seen.add(id(job))
+            if path:
+                self.engine.job_path_failed(job, cause)
+            else:
+                self.engine.job_request_failed(job, cause)
+
+    def pieces_done(self, frame: _Frame) -> None:
+        finished: list[Job] = []
+        with self.count_lock:
+            for piece in frame.pieces:
+                piece.job.state -= 1
+                if piece.job.state == 0:
+                    finished.append(piece.job)
+        if finished:
+            self.engine.jobs_done(finished, "tcp")
+
+    def abort(self, batch: BatchHandle) -> None:
+        for conn in list(self.conns):
+            if conn.carries(batch):
+                conn.shutdown(f"batch deadline passed on {self.endpoint}")
+
+    def close(self) -> None:
+        self.closed = True
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for conn in conns:
+            conn.shutdown("engine closing")
+            self.queue.put(None)
+
+
+class _Conn:
+    """One tcp connection to a peer: a sender thread and a receiver thread."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, peer: _Peer, timeout: float) -> None:
+        self.peer = peer
+        self.sock = socket.create_connection(peer.address, timeout=timeout)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._hello()
+        except (OSError, ValueError, wire.MalformedFrame) as exc:
+            self.sock.close()
+            raise OSError(f"handshake with {peer.endpoint} failed: {exc}") from None
+        self.sock.settimeout(None)  # deadlines are enforced by shutting the socket down
+        self.alive = True
+        self.inflight: dict[int, _Frame] = {}
+        self.lock = threading.Lock()
+        self.header = bytearray(wire.HEADER.size)
+        name = f"tcp-{peer.endpoint}"
+        self.sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
+        self.receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
+        self.sender.start()
+        self.receiver.start()
+
+    def _hello(self) -> None:
+        engine = self.peer.engine
+        body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
+        self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+        header = bytearray(wire.HEADER.size)
+        _recv_exact(self.sock, memoryview(header))
+        hdr = wire.parse_header(header)
+        payload = bytearray(hdr.payload_len)
+        _recv_exact(self.sock, memoryview(payload))
+        if hdr.type is wire.FrameType.ERROR:
+            raise ValueError(payload.decode(errors="replace"))
+        if hdr.type is not wire.FrameType.HELLO:
+            raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
+        self.peer.peer_engine = json.loads(payload).get("engine_id", "")
+
+    def carries(self, batch: BatchHandle) -> bool:
+        with self.lock:
+            return any(f.batch is batch for f in self.inflight.values())
+
+    def shutdown(self, cause: str) -> None:
+        if self.alive:
+            log.info("tcp connection shut down peer=%s cause=%r", self.peer.endpoint, cause)
+        self.alive = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _send_loop(self) -> None:
+        engine = self.peer.engine
+        while self.alive:
+            try:
+                # the timeout lets a broken connection's sender notice and exit
+                frame = self.peer.queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if frame is None:
+                return
+            if not frame.live():
+                continue  # its batch finished (deadline) while it queued
+            frame_id = next(_Conn._ids)
+            kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
+            flags = wire.FLAG_CRC if engine.checksum else 0
+            extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
+            head = wire.pack_header(kind, frame_id=frame_id, count=len(extents),
+                                    payload_len=frame.nbytes if frame.op is Op.WRITE else 0, flags=flags)
+            buffers: list[Any] = [head + wire.pack_extents(extents)]
+            if frame.op is Op.WRITE:
+                buffers.extend(p.view for p in frame.pieces)
+            with self.lock:
+                if not self.alive:
+                    self.peer.queue.put(frame)  # a live connection takes it
+                    return
+                self.inflight[frame_id] = frame
+            try:
+                _sendmsg_all(self.sock, buffers)
+            except OSError as exc:
+                self._broken(f"send to {self.peer.endpoint} failed: {exc}")
+                return
+
+    def _recv_loop(self) -> None:
+        header = memoryview(self.header)
+        try:
+            while True:
+                _recv_exact(self.sock, header)
+                hdr = wire.parse_header(header)
+                with self.lock:
+                    frame = self.inflight.pop(hdr.frame_id, None)
+                if frame is None:
+                    raise wire.MalformedFrame(f"answer for unknown frame {hdr.frame_id}")
+                if hdr.type is wire.FrameType.ACK:
+                    self.peer.pieces_done(frame)
+                elif hdr.type is wire.FrameType.DATA:
+                    self._land(hdr, frame)
+                elif hdr.type is wire.FrameType.ERROR:
+                    message = bytearray(hdr.payload_len)
+                    _recv_exact(self.sock, memoryview(message))
+                    self.peer.fail_frame(frame, f"peer {self.peer.endpoint}: {message.decode(errors='replace')}",
+                                         path=False)
+                else:
+                    raise wire.MalformedFrame(f"unexpected {hdr.type.name} frame from the server")
+        except wire.MalformedFrame as exc:
+            log.warning("tcp malformed answer, closing connection peer=%s cause=%r", self.peer.endpoint, str(exc))
+            self._broken(f"malformed answer from {self.peer.endpoint}: {exc}")
+        except OSError as exc:
+            self._broken(f"connection to {self.peer.endpoint} lost: {exc}")
+
+    def _land(self, hdr: wire.Header, frame: _Frame) -> None:
+        table = bytearray(hdr.count * wire.EXTENT.size)
+        _recv_exact(self.sock, memoryview(table))
+        extents = wire.parse_extents(table, hdr.count, payload_len=hdr.payload_len)
+        if len(extents) != len(frame.pieces) or any(e.length != p.view.nbytes
+                                                    for e, p in zip(extents, frame.pieces, strict=True)):
+            raise wire.MalformedFrame("DATA extents do not match the READ they answer")
+        bad = ""
+        for extent, piece in zip(extents, frame.pieces, strict=True):
+            _recv_exact(self.sock, piece.view)
+            if hdr.flags & wire.FLAG_CRC and crc32c.crc32c(piece.view) != extent.crc:
+                bad = f"crc32c mismatch in slice at remote offset {piece.offset}"
+        if bad:
+            self.peer.requeue(frame, bad)
+        else:
+            self.peer.pieces_done(frame)
+
+    def _broken(self, cause: str) -> None:
+        """Called once by whichever thread notices first; hands the in-flight frames on."""
+        with self.lock:
+            was_alive = self.alive
+            self.alive = False
+            frames, self.inflight = list(self.inflight.values()), {}
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if was_alive:
+            log.warning("tcp connection broken peer=%s inflight=%d cause=%r", self.peer.endpoint, len(frames), cause)
+        for frame in frames:
+            self.peer.requeue(frame, cause)
+
+
+# ---------------------------------------------------------------------------- server side
+class _Server:
+    """Accepts peers' connections and serves READ/WRITE frames against registered segments."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        host, port = _parse_endpoint(engine.listen, field_name="listen")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(128)
+        bound_host, bound_port = self.sock.getsockname()[:2]
+        if engine.advertise:
+            self.endpoint = engine.advertise
+        else:
+            shown = bound_host if bound_host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
+            self.endpoint = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
+        self.conns: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept_loop, name=f"tcp-server-{bound_port}", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self.lock:
+            conns = list(self.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self.lock:
+                self.conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, addr), name=f"tcp-serve-{addr[1]}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            _ServerConn(self.engine, conn, peer).run()
+        except wire.MalformedFrame as exc:
+            log.warning("tcp malformed frame, closing connection peer=%s cause=%r", peer, str(exc))
+        except OSError as exc:
+            log.debug("tcp server connection ended peer=%s cause=%r", peer, str(exc))
+        except Exception:
+            log.exception("tcp server connection crashed peer=%s", peer)
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
+
+
+class _ServerConn:
+    def __init__(self, engine: TransferEngine, sock: socket.socket, peer: str) -> None:
+        self.engine = engine
+        self.sock = sock
+        self.peer = peer
+        self.header = bytearray(wire.HEADER.size)
+
+    def run(self) -> None:
+        header = memoryview(self.header)
+        _recv_exact(self.sock, header)
+        hdr = wire.parse_header(header)
+        if hdr.type is not wire.FrameType.HELLO:
+            raise wire.MalformedFrame(f"expected HELLO first, got {hdr.type.name}")
+        hello = self._message(hdr.payload_len)
+        try:
+            token = json.loads(hello).get("token", "")
+        except (ValueError, AttributeError):
+            raise wire.MalformedFrame("HELLO payload is not a JSON object") from None
+        if token != self.engine.token:
+            self._error(0, "bad token: this engine serves another pool")
+            raise wire.MalformedFrame(f"bad token from {self.peer}")
+        body = json.dumps({"engine_id": self.engine.engine_id}).encode()
+        self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+        while True:
+            _recv_exact(self.sock, header)
+            hdr = wire.parse_header(header)
+            if hdr.type is wire.FrameType.WRITE:
+                self._write(hdr)
+            elif hdr.type is wire.FrameType.READ:
+                self._read(hdr)
+            elif hdr.type is wire.FrameType.RDMA_CONNECT:
+                self._rdma_connect(hdr)
+            else:
+                raise wire.MalformedFrame(f"unexpected {hdr.type.name} frame from a client")
+
+    def _message(self, size: int) -> bytes:
+        buf = bytearray(size)
+        _recv_exact(self.sock, memoryview(buf))
+        return bytes(buf)
+
+    def _error(self, frame_id: int, message: str) -> None:
+        body = message.encode()[: wire.MAX_MESSAGE]
+        self.sock.sendall(wire.pack_header(wire.FrameType.ERROR, frame_id=frame_id, payload_len=len(body)) + body)
+
+    def _extents(self, hdr: wire.Header, *, payload_len: int | None) -> tuple[list[wire.Extent], list[memoryview], str]:
+        table = bytearray(hdr.count * wire.EXTENT.size)
+        _recv_exact(self.sock, memoryview(table))
+        extents = wire.parse_extents(table, hdr.count, payload_len=payload_len)
+        if sum(e.length for e in extents) > wire.MAX_PAYLOAD:
+            raise wire.MalformedFrame("extents add up to more than a frame may carry")
+        views: list[memoryview] = []
+        for extent in extents:
+            segment: LocalSegment | None = self.engine.served_segment(extent.segment)
+            if segment is None or segment.buffer is None:
+                return extents, [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
+            if extent.offset + extent.length > segment.size:
+                return extents, [], (f"range {extent.offset}+{extent.length} outside segment "
+                                     f"{segment.segment_id} of {segment.size} bytes")
+            views.append(segment.buffer[extent.offset:extent.offset + extent.length])
+        return extents, views, ""
+
+    def _write(self, hdr: wire.Header) -> None:
+        extents, views, problem = self._extents(hdr, payload_len=hdr.payload_len)
+        if problem:
+            # well-formed frame, wrong target: skip its payload and keep the connection
+            scratch = memoryview(bytearray(min(_DRAIN, max(1, hdr.payload_len))))
+            left = hdr.payload_len
+            while left:
+                chunk = min(left, len(scratch))
+                _recv_exact(self.sock, scratch[:chunk])
+                left -= chunk
+            self._error(hdr.frame_id, problem)
+            return
+        for view in views:
+            _recv_exact(self.sock, view)
+        if hdr.flags & wire.FLAG_CRC:
+            for extent, view in zip(extents, views, strict=True):
+                if crc32c.crc32c(view) != extent.crc:
+                    self._error(hdr.frame_id, f"crc32c mismatch in slice at offset {extent.offset}")
+                    return
+        self.sock.sendall(wire.pack_header(wire.FrameType.ACK, frame_id=hdr.frame_id))
+
+    def _read(self, hdr: wire.Header) -> None:
+        extents, views, problem = self._extents(hdr, payload_len=None)
+        if problem:
+            self._error(hdr.frame_id, problem)
+            return
+        crc = bool(hdr.flags & wire.FLAG_CRC)
+        answer = [wire.Extent(e.segment, e.offset, e.length, crc32c.crc32c(v) if crc else 0)
+                  for e, v in zip(extents, views, strict=True)]
+        total = sum(e.length for e in extents)
+        head = wire.pack_header(wire.FrameType.DATA, frame_id=hdr.frame_id, count=len(answer), payload_len=total,
+                                flags=hdr.flags & wire.FLAG_CRC)
+        _sendmsg_all(self.sock, [head + wire.pack_extents(answer), *views])
+
+    def _rdma_connect(self, hdr: wire.Header) -> None:
+        request = self._message(hdr.payload_len)
+        rdma = self.engine._transports.get("rdma")
+        if rdma is None:
+            self._error(hdr.frame_id, "rdma is not enabled on this engine")
+            return
+        try:
+            answer = rdma.accept(json.loads(request))  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._error(hdr.frame_id, f"rdma connect refused: {exc}")
+            return
+        body = json.dumps(answer).encode()
+        self.sock.sendall(wire.pack_header(wire.FrameType.RDMA_CONNECT, frame_id=hdr.frame_id,
+                                           payload_len=len(body)) + body)

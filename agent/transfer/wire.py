@@ -1,0 +1,107 @@
+"""The tcp transport's wire format: one definition of a frame, used by client and server.
+
+Every frame is a fixed 24-byte header, then ``count`` 24-byte extent entries,
+then ``payload_len`` payload bytes (``count`` and ``payload_len`` are the
+length prefix: a reader knows exactly how much follows before reading it)::
+
+    header  = magic "DT" | version u8 | type u8 | flags u16 | count u16 | frame_id u64 | payload_len u32 | reserved u32
+    extent  = segment u32 | crc32c u32 | offset u64 | length u64
+
+A WRITE carries its data as payload, in extent order; the answer is ACK or ERROR.
+A READ carries no payload; the answer is DATA (the same extents, with crcs when
+asked for, then the bytes) or ERROR. ERROR and HELLO payloads are UTF-8/JSON.
+ANY header that fails ``parse_header`` means the stream can no longer be trusted:
+the reader closes that one connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAGIC = b"DT"
+VERSION = 1
+HEADER = struct.Struct("!2sBBHHQII")
+EXTENT = struct.Struct("!IIQQ")
+assert HEADER.size == 24 and EXTENT.size == 24
+
+# At most this many extents per frame: sendmsg takes one iovec per extent plus
+# the header, and Linux caps a call at IOV_MAX (1024).
+MAX_EXTENTS = 1000
+# Largest payload one frame may carry; the sender slices below it.
+MAX_PAYLOAD = 1 << 30
+MAX_MESSAGE = 1 << 16  # HELLO / ERROR / RDMA payload cap
+
+FLAG_CRC = 0x1
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WRITE = 2
+    READ = 3
+    ACK = 4
+    DATA = 5
+    ERROR = 6
+    RDMA_CONNECT = 7
+
+
+class MalformedFrame(Exception):
+    """The byte stream does not hold a valid frame; the connection must be closed."""
+
+
+@dataclass(slots=True, frozen=True)
+class Header:
+    type: FrameType
+    flags: int
+    count: int
+    frame_id: int
+    payload_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class Extent:
+    segment: int
+    offset: int
+    length: int
+    crc: int = 0
+
+
+def pack_header(kind: FrameType, *, frame_id: int, count: int = 0, payload_len: int = 0, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, flags, count, frame_id, payload_len, 0)
+
+
+def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Decode and validate a header; raises ``MalformedFrame`` saying which field is wrong."""
+    magic, version, kind, flags, count, frame_id, payload_len, _ = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise MalformedFrame(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise MalformedFrame(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    try:
+        frame_type = FrameType(kind)
+    except ValueError:
+        raise MalformedFrame(f"unknown frame type {kind}") from None
+    if count > MAX_EXTENTS:
+        raise MalformedFrame(f"extent count {count} over the limit {MAX_EXTENTS}")
+    if frame_type in (FrameType.HELLO, FrameType.ERROR, FrameType.RDMA_CONNECT, FrameType.ACK):
+        if count or payload_len > MAX_MESSAGE:
+            raise MalformedFrame(f"{frame_type.name} frame with count={count} payload_len={payload_len}")
+    elif frame_type is FrameType.READ and payload_len:
+        raise MalformedFrame(f"READ frame with payload_len={payload_len}")
+    if payload_len > MAX_PAYLOAD:
+        raise MalformedFrame(f"payload_len {payload_len} over the limit {MAX_PAYLOAD}")
+    return Header(frame_type, flags, count, frame_id, payload_len)
+
+
+def pack_extents(extents: Sequence[Extent]) -> bytes:
+    return b"".join(EXTENT.pack(e.segment, e.crc, e.offset, e.length) for e in extents)
+
+
+def parse_extents(raw: bytes | bytearray | memoryview, count: int, *, payload_len: int | None = None) -> list[Extent]:
+    """Decode ``count`` extents; with ``payload_len`` also check the lengths add up to it."""
+    extents = [Extent(seg, off, length, crc) for seg, crc, off, length in EXTENT.iter_unpack(raw[: count * EXTENT.size])]
+    if payload_len is not None and sum(e.length for e in extents) != payload_len:
+        raise MalformedFrame(f"extent lengths add up to {sum(e.length for e in extents)}, payload_len is {payload_len}")
+    return extents
