@@ -50,7 +50,7 @@ bench: venv tools
 	$(BIN)/daybreak bench all
 
 crds: venv
-	$(BIN)/daybreak crds --out crds
+	$(BIN)/daybreak crds --out crds --docs docs/api.md
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info .daybreak

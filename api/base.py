@@ -57,11 +57,25 @@ def _schema_extra(schema: dict[str, Any], cls: type[BaseModel]) -> None:
         schema["x-kubernetes-validations"] = [rule.to_schema() for rule in rules]
 
 
+# Wire names that plain snake_case -> camelCase gets wrong. Kept here, not as
+# per-field aliases, so constructors take the snake_case names under mypy too.
+WIRE_NAME_EXCEPTIONS = {
+    "num_kv_heads": "numKVHeads",  # not numKvHeads: KV is an acronym, as in kvLayout's docs
+    "from_replicas": "from",  # status.lastScale.{from,to}; "from" is a Python keyword
+    "to_replicas": "to",
+}
+
+
+def wire_name(name: str) -> str:
+    """The camelCase field name Kubernetes objects use for a snake_case attribute."""
+    return WIRE_NAME_EXCEPTIONS.get(name) or to_camel(name)
+
+
 class ApiModel(BaseModel):
     """Base of every API object: camelCase aliases, docstrings as descriptions, CEL rules."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel,
+        alias_generator=wire_name,
         validate_by_name=True,
         validate_by_alias=True,
         serialize_by_alias=True,
@@ -170,7 +184,7 @@ class CustomResource(ApiModel):
 
     crd: ClassVar[CRDInfo]
 
-    api_version: str = Field(default=API_VERSION, alias="apiVersion")
+    api_version: str = API_VERSION
     """APIVersion of this object (``daybreak.dev/v1alpha1``)."""
     kind: str
     """Kind of this object."""

@@ -143,7 +143,7 @@ class ResourceRequirements(ApiModel):
     """Compute resources of a container (core/v1 ResourceRequirements without claims)."""
 
     limits: dict[str, Quantity] = Field(default_factory=dict)
-    """Maximum amount of each resource, e.g. ``cpu: "4"``, ``memory: 8Gi``, ``daybreak.dev/sunrise: 1``."""
+    """Maximum amount of each resource, e.g. cpu: "4", memory: 8Gi, daybreak.dev/sunrise: 1."""
     requests: dict[str, Quantity] = Field(default_factory=dict)
     """Amount of each resource the scheduler reserves."""
 

@@ -70,7 +70,7 @@ class KVLayout(ApiModel):
 
     num_layers: int = Field(ge=1, le=1024)
     """Transformer layers that keep a KV cache."""
-    num_kv_heads: int = Field(alias="numKVHeads", ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=1024)
     """KV heads per layer (after grouped-query sharing, per full model, not per tensor-parallel shard)."""
     head_dim: int = Field(ge=1, le=16384)
     """Size of one attention head."""

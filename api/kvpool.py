@@ -129,8 +129,8 @@ class AuthSpec(ApiModel):
     """How agents and clients authenticate to each other."""
 
     secret_ref: LocalObjectReference | None = None
-    """Secret whose key ``token`` holds the pool token. When absent the operator generates one
-    (Secret ``<pool>-token``) once and never rotates it by itself."""
+    """Secret whose key "token" holds the pool token. When absent the operator generates one
+    (Secret <pool>-token) once and never rotates it by itself."""
 
 
 class AgentSpec(ApiModel):

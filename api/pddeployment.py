@@ -203,9 +203,9 @@ class LastScale(ApiModel):
     """When it happened."""
     role: Role
     """Which role was scaled."""
-    from_replicas: int = Field(alias="from", ge=0)
+    from_replicas: int = Field(ge=0)
     """Replicas before."""
-    to_replicas: int = Field(alias="to", ge=0)
+    to_replicas: int = Field(ge=0)
     """Replicas after."""
     reason: str
     """Why (which target was missed or how long the load was low)."""
