@@ -1,0 +1,219 @@
+"""``daybreak agent``: the node agent process; ``--standalone`` serves a store pool without Kubernetes.
+
+Standalone: ``daybreak agent --standalone --listen ADDR:P --dram 2Gi [--ssd-path DIR --ssd 8Gi]
+[--peers ADDR:P,...] [--replicas R] --token-file F`` serves this node's tier of a pool whose
+agents share the token in F (written fresh when F does not exist) and logs one line containing
+``ready`` once it accepts requests. SIGTERM or SIGINT make it hand its blocks to the other
+agents first, then exit; its DRAM segments stay in /dev/shm for the next start to re-adopt.
+
+In a cluster the same store runs next to the node's discovery and publishing
+(``daybreak.agent.node``), configured from the environment the DaemonSet sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import re
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from daybreak.agent.settings import AgentSettings
+
+log = logging.getLogger("daybreak.agent")
+
+_SIZES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def parse_size(text: str, *, flag: str) -> int:
+    """``2Gi`` -> bytes, through the API's quantity parser when present; errors name the flag."""
+    parse_bytes: Any = None
+    with contextlib.suppress(ImportError):  # the API package normally ships with the agent
+        from daybreak.api.quantity import parse_bytes
+    if parse_bytes is not None:
+        try:
+            return int(parse_bytes(text))
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    m = re.fullmatch(r"(\d+)\s*([kMGT]i?)?", text.strip())
+    if not m:
+        raise ValueError(f"{flag}: {text!r} is not a byte size (examples: 2Gi, 512Mi, 1073741824)")
+    return int(m.group(1)) * _SIZES[m.group(2) or ""]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--standalone", action="store_true", help="serve a store pool without Kubernetes")
+    parser.add_argument("--config", help="YAML/JSON settings file (flags and DAYBREAK_* variables win)")
+    parser.add_argument("--listen", help="ADDR:PORT to serve on (default 127.0.0.1:7480)")
+    parser.add_argument("--advertise", help="ADDR:PORT peers and clients use to reach this agent")
+    parser.add_argument("--dram", help="DRAM tier size, e.g. 2Gi")
+    parser.add_argument("--ssd-path", help="directory for the SSD tier")
+    parser.add_argument("--ssd", help="SSD tier size, e.g. 8Gi (needs --ssd-path)")
+    parser.add_argument("--hbm", help="HBM tier size on device 0, e.g. 4Gi (needs an accelerator runtime)")
+    parser.add_argument("--peers", help="comma-separated ADDR:PORT of the other agents of the pool")
+    parser.add_argument("--replicas", type=int, help="copies of each block")
+    parser.add_argument("--token-file", help="file holding the pool token (created when missing)")
+    parser.add_argument("--pool", help="pool name (names the shared-memory segments)")
+    parser.add_argument("--eviction", choices=["lru", "s3fifo"], help="eviction policy (default s3fifo)")
+    parser.add_argument("--high-watermark", type=float, help="fill fraction at which eviction starts")
+    parser.add_argument("--low-watermark", type=float, help="fill fraction eviction frees down to")
+    parser.add_argument("--lease-seconds", type=int, help="how long a reader's lease protects a block")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
+
+
+def settings_from(args: argparse.Namespace) -> AgentSettings:
+    sizes = {name: parse_size(getattr(args, attr), flag=flag)
+             for name, attr, flag in (("dram_bytes", "dram", "--dram"), ("ssd_bytes", "ssd", "--ssd"),
+                                      ("hbm_bytes", "hbm", "--hbm"))
+             if getattr(args, attr) is not None}
+    overrides: dict[str, Any] = {
+        "standalone": True if args.standalone else None,
+        "listen": args.listen, "advertise": args.advertise, "ssd_path": args.ssd_path,
+        "peers": [p for p in args.peers.split(",") if p] if args.peers is not None else None,
+        "replicas": args.replicas, "token_file": args.token_file, "pool_name": args.pool,
+        "eviction_policy": args.eviction, "high_watermark": args.high_watermark,
+        "low_watermark": args.low_watermark, "lease_seconds": args.lease_seconds,
+        "metrics_port": args.metrics_port, **sizes,
+    }
+    settings = AgentSettings.load(config_file=args.config, overrides=overrides)
+    if settings.ssd_bytes and not settings.ssd_path:
+        raise ValueError("--ssd: needs --ssd-path (the directory for the SSD tier)")
+    if settings.standalone and not settings.token_file:
+        raise ValueError("--token-file: required with --standalone (agents of one pool share it)")
+    return settings
+
+
+def load_token(path: str) -> bytes:
+    """Read the pool token, or write a fresh one atomically when the file does not exist yet."""
+    file = Path(path)
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        log.info("event=token_created path=%s", file)
+    token = file.read_text().strip()
+    if not token:
+        raise ValueError(f"--token-file: {file} is empty")
+    return token.encode()
+
+
+def build_store(settings: AgentSettings, *, token: bytes) -> Any:
+    """The node's BlockStore and its StoreServer, not yet started."""
+    from daybreak.agent.store.engine import BlockStore, StoreConfig
+    from daybreak.agent.store.server import StoreServer
+    from daybreak.agent.store.tiers import HbmTier, slug
+
+    pool = settings.pool_name or "standalone"
+    hbm = None
+    if settings.hbm_bytes:
+        from daybreak.agent.runtime import load_runtime
+
+        loaded = load_runtime(settings.runtime, sunrise_lib_dir=settings.sunrise_lib_dir)
+        if loaded.runtime.devices():
+            hbm = HbmTier(runtime=loaded.runtime, device=0, capacity=settings.hbm_bytes)
+        else:
+            log.warning("event=hbm_disabled reason=%r", "no accelerator runtime loaded: " +
+                        "; ".join(f"{k}: {v}" for k, v in loaded.skipped.items()))
+    address = settings.advertise or settings.listen
+    store = BlockStore(StoreConfig(
+        prefix=f"daybreak-{slug(pool)}-{slug(address)}", dram_bytes=settings.dram_bytes,
+        ssd_path=str(Path(settings.ssd_path) / slug(address)) if settings.ssd_path else "",
+        ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
+        low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
+    store.open()
+    server = StoreServer(store, listen=settings.listen, token=token, pool=pool, advertise=settings.advertise,
+                         peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds)
+    return server
+
+
+def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
+    """Run the store until ``stop`` is set, then hand blocks off and close."""
+    token = load_token(settings.token_file)
+    server = build_store(settings, token=token)
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, registry=server.store.metrics.registry)
+    server.start()
+    stats = server.store.stats()
+    log.info("event=ready agent=%s pool=%s blocks=%d dram_bytes=%d peers=%d", server.agent_id, server.pool,
+             stats["blocks"], stats["dram_capacity"], len(settings.peers))
+    stop.wait()
+    log.info("event=stopping agent=%s", server.agent_id)
+    try:
+        server.leave()
+    finally:
+        server.close()
+        server.store.close()
+    log.info("event=stopped agent=%s", server.agent_id)
+    return 0
+
+
+def _run_node(settings: AgentSettings, stop: threading.Event) -> int:
+    """Cluster mode: the node's discovery and publishing (``daybreak.agent.node``), when present."""
+    try:
+        node = importlib.import_module("daybreak.agent.node")
+    except ModuleNotFoundError as exc:
+        if exc.name != "daybreak.agent.node":
+            raise
+        log.error("event=node_mode_unavailable reason=%r", "daybreak.agent.node is not part of this build")
+        return 2
+    entry = getattr(node, "run", None) or getattr(node, "main", None)
+    if entry is None:
+        log.error("event=node_mode_unavailable reason=%r", "daybreak.agent.node has no run() or main()")
+        return 2
+    if inspect.iscoroutinefunction(entry):
+        async def _main() -> Any:
+            task = asyncio.ensure_future(entry(settings))
+            waiter = asyncio.ensure_future(asyncio.to_thread(stop.wait))
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+            stop.set()
+            return None if task.cancelled() else task.result()
+
+        result = asyncio.run(_main())
+    else:
+        result = entry(settings)
+    return int(result or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    try:
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"daybreak agent: {exc}", file=sys.stderr)
+        return 2
+    log.info("event=settings %s", settings.describe())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if settings.standalone:
+        return serve_store(settings, stop=stop)
+    if settings.token_file and settings.pool_name:
+        # The store runs in its own threads next to the node's async loop.
+        store_thread = threading.Thread(target=serve_store, args=(settings,), kwargs={"stop": stop},
+                                        name="store", daemon=False)
+        store_thread.start()
+        try:
+            return _run_node(settings, stop)
+        finally:
+            stop.set()
+            store_thread.join()
+    return _run_node(settings, stop)

@@ -1,0 +1,455 @@
+"""The node's block index: reservations, commits, reads with leases, watermark eviction, demotion and promotion.
+
+One lock guards the index; bytes are copied outside it. A block is visible to
+readers only once committed; a reservation (being written) and a block with
+readers or leases are never chosen for eviction. Keys are content-addressed
+(a chained hash of the tokens), so writing an existing key again is
+idempotent and a re-adopted block can never be stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from daybreak.agent.store import metrics as m
+from daybreak.agent.store.eviction import Policy, make_policy
+from daybreak.agent.store.protocol import Status
+from daybreak.agent.store.tiers import JOURNAL_DEL, JOURNAL_PUT, Adopted, DramTier, HbmTier, SsdTier
+
+log = logging.getLogger("daybreak.store.engine")
+
+
+@dataclass
+class Block:
+    key: str
+    size: int
+    checksum: int
+    tier: str                 # "dram", "ssd" or "hbm"
+    segment: int = 0          # dram segment index
+    offset: int = 0           # dram/hbm offset
+    readers: int = 0          # tcp sends and leases in progress
+    pinned_until: float = 0.0
+
+
+@dataclass
+class Reservation:
+    """Space reserved for a block being written; invisible to readers until committed."""
+
+    key: str
+    size: int
+    checksum: int
+    tier: str
+    segment: int
+    offset: int
+    pin_seconds: int = 0
+
+
+@dataclass
+class Lease:
+    keys: list[str]
+    expires: float
+
+
+@dataclass
+class StoreConfig:
+    prefix: str
+    dram_bytes: int
+    ssd_path: str = ""
+    ssd_bytes: int = 0
+    policy: str = "s3fifo"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    lease_seconds: float = 10.0
+    max_block_bytes: int = 1 << 30
+    hbm: HbmTier | None = None
+    metrics: m.StoreMetrics = field(default_factory=m.StoreMetrics)
+
+
+class BlockStore:
+    """All the blocks one agent holds, across its tiers."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        if not 0 <= config.low_watermark < config.high_watermark <= 1:
+            raise ValueError(f"low_watermark ({config.low_watermark}) must be below high_watermark "
+                             f"({config.high_watermark}), both in [0, 1]")
+        self.config = config
+        self.metrics = config.metrics
+        self.lock = threading.RLock()
+        self.dram = DramTier(prefix=config.prefix, capacity=config.dram_bytes)
+        self.ssd = (SsdTier(directory=Path(config.ssd_path), capacity=config.ssd_bytes)
+                    if config.ssd_path and config.ssd_bytes else None)
+        self.hbm = config.hbm
+        self.blocks: dict[str, Block] = {}
+        self.policies: dict[str, Policy] = {"dram": make_policy(config.policy), "ssd": make_policy("lru"),
+                                            "hbm": make_policy(config.policy)}
+        self.writing: dict[str, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self.reservations: dict[int, tuple[list[Reservation | None], float]] = {}
+        self._ids = itertools.count(1)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        for b in self.dram.open():
+            self._index(Block(b.key, b.size, b.checksum, "dram", b.segment, b.offset))
+        if self.ssd is not None:
+            for key, size, dcrc in self.ssd.scan():
+                if key in self.blocks:
+                    self.ssd.remove(key, size)
+                else:
+                    self._index(Block(key, size, dcrc, "ssd"))
+            self._enforce(self.ssd_tier_name)
+        self._report()
+
+    ssd_tier_name = "ssd"
+
+    def close(self, *, unlink: bool = False) -> None:
+        with self.lock:
+            self.dram.close(unlink=unlink)
+            if self.hbm is not None:
+                self.hbm.close()
+
+    def _index(self, block: Block) -> None:
+        self.blocks[block.key] = block
+        self.policies[block.tier].insert(block.key, block.size)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def reserve(self, key: str, size: int, checksum: int, *, tier: str = "dram",
+                pin_seconds: int = 0) -> Reservation | Status:
+        """Find space for a block about to be written (evicting as needed)."""
+        if size > self.config.max_block_bytes or size > max(self.dram.sizes):
+            return Status.TOO_LARGE
+        with self.lock:
+            if key in self.writing:
+                return Status.BUSY
+            if tier == "hbm" and self.hbm is not None:
+                hoff = self._alloc_hbm(size)
+                if hoff is not None:
+                    res = Reservation(key, size, checksum, "hbm", 0, hoff, pin_seconds)
+                    self.writing[key] = res
+                    return res
+            where = self._alloc_dram(size)
+            if where is None:
+                return Status.FULL
+            res = Reservation(key, size, checksum, "dram", where[0], where[1], pin_seconds)
+            self.writing[key] = res
+            return res
+
+    def target(self, res: Reservation) -> memoryview:
+        """Where the writer copies a DRAM reservation's bytes."""
+        return self.dram.view(res.segment, res.offset, res.size)
+
+    def write_hbm(self, res: Reservation, data: memoryview) -> None:
+        assert self.hbm is not None
+        self.hbm.write(res.offset, data)
+
+    def commit(self, reservations: Iterable[Reservation], *, ok: bool = True) -> None:
+        """Publish written reservations (or give their space back when ``ok`` is False)."""
+        now = time.monotonic()
+        journal: list[tuple[int, str, int, int, int, int]] = []
+        with self.lock:
+            for res in reservations:
+                if self.writing.get(res.key) is not res:
+                    continue
+                del self.writing[res.key]
+                if not ok:
+                    self._free_space(res.tier, res.segment, res.offset, res.size)
+                    continue
+                old = self.blocks.get(res.key)
+                if old is not None:
+                    if old.readers:
+                        # Same content (content-addressed key): keep the copy being read.
+                        self._free_space(res.tier, res.segment, res.offset, res.size)
+                        continue
+                    self._drop(old, journal)
+                block = Block(res.key, res.size, res.checksum, res.tier, res.segment, res.offset,
+                              pinned_until=now + res.pin_seconds if res.pin_seconds else 0.0)
+                self._index(block)
+                if block.tier == "dram":
+                    journal.append((JOURNAL_PUT, block.key, block.segment, block.offset, block.size, block.checksum))
+                self.metrics.bytes_in.labels(tier=block.tier).inc(block.size)
+            self.dram.journal(journal)
+            self._enforce("dram")
+            if self.hbm is not None:
+                self._enforce("hbm")
+            self._report()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def acquire(self, keys: list[str]) -> list[Block | None]:
+        """Pin blocks for reading (promoting SSD hits to DRAM); pair with ``release``."""
+        out: list[Block | None] = []
+        with self.lock:
+            for key in keys:
+                block = self.blocks.get(key)
+                if block is not None and block.tier == "ssd":
+                    block.readers += 1  # keep the SSD copy from being evicted while it moves up
+                    promoted = self._promote(block)
+                    block.readers -= 1
+                    if not promoted:
+                        block = None
+                if block is None:
+                    self.metrics.misses.inc()
+                    out.append(None)
+                    continue
+                self.metrics.hits.labels(tier=block.tier).inc()
+                self.metrics.bytes_out.labels(tier=block.tier).inc(block.size)
+                block.readers += 1
+                self.policies[block.tier].touch(key)
+                out.append(block)
+        return out
+
+    def release(self, blocks: Iterable[Block | None]) -> None:
+        with self.lock:
+            for b in blocks:
+                if b is not None and b.readers > 0:
+                    b.readers -= 1
+
+    def view(self, block: Block) -> memoryview:
+        return self.dram.view(block.segment, block.offset, block.size)
+
+    def read_hbm_into(self, block: Block, out: memoryview) -> None:
+        assert self.hbm is not None
+        self.hbm.read_into(block.offset, out)
+
+    def lease(self, blocks: list[Block | None]) -> int:
+        """Keep already-acquired blocks from eviction for lease_seconds; returns the lease id."""
+        lease_id = next(self._ids)
+        with self.lock:
+            self.leases[lease_id] = Lease([b.key for b in blocks if b is not None],
+                                          time.monotonic() + self.config.lease_seconds)
+        return lease_id
+
+    def end_lease(self, lease_id: int) -> None:
+        with self.lock:
+            lease = self.leases.pop(lease_id, None)
+            if lease is not None:
+                self.release([self.blocks.get(k) for k in lease.keys])
+
+    def expire(self) -> None:
+        """Drop leases and reservations whose holder vanished."""
+        now = time.monotonic()
+        with self.lock:
+            for lease_id in [i for i, lease in self.leases.items() if lease.expires < now]:
+                self.end_lease(lease_id)
+            for rid in [i for i, (_, exp) in self.reservations.items() if exp < now]:
+                res, _ = self.reservations.pop(rid)
+                self.commit([r for r in res if r is not None], ok=False)
+
+    def park(self, reservations: list[Reservation | None]) -> int:
+        """Hold same-node reservations (ALLOC) until COMMIT or lease expiry."""
+        rid = next(self._ids)
+        with self.lock:
+            self.reservations[rid] = (reservations, time.monotonic() + self.config.lease_seconds)
+        return rid
+
+    def unpark(self, rid: int) -> list[Reservation | None] | None:
+        with self.lock:
+            entry = self.reservations.pop(rid, None)
+        return None if entry is None else entry[0]
+
+    # -- other ops ---------------------------------------------------------------------------------
+
+    def exists(self, keys: list[str]) -> list[Block | None]:
+        with self.lock:
+            return [self.blocks.get(k) for k in keys]
+
+    def remove(self, keys: list[str]) -> list[Status]:
+        out = []
+        journal: list[tuple[int, str, int, int, int, int]] = []
+        with self.lock:
+            for key in keys:
+                block = self.blocks.get(key)
+                if block is None:
+                    out.append(Status.MISS)
+                elif block.readers:
+                    out.append(Status.BUSY)
+                else:
+                    self._drop(block, journal)
+                    out.append(Status.OK)
+            self.dram.journal(journal)
+            self._report()
+        return out
+
+    def drop_corrupt(self, key: str) -> bool:
+        """A reader saw a checksum mismatch: re-verify here and drop the block if it is really bad."""
+        from daybreak.agent.store.checksum import crc32c
+
+        with self.lock:
+            block = self.blocks.get(key)
+            if block is None or block.tier != "dram":
+                return False
+            if crc32c(self.view(block)) == block.checksum:
+                return False
+            log.warning("event=block_corrupt tier=dram key=%s action=removed", key)
+            self.metrics.corrupt.inc()
+            block.readers = 0
+            journal: list[tuple[int, str, int, int, int, int]] = []
+            self._drop(block, journal)
+            self.dram.journal(journal)
+            return True
+
+    def keys(self) -> list[Block]:
+        with self.lock:
+            return list(self.blocks.values())
+
+    # -- space management ----------------------------------------------------------------------------
+
+    def _evictable(self, *, pins: bool) -> Callable[[str], bool]:
+        now = time.monotonic()
+
+        def ok(key: str) -> bool:
+            b = self.blocks.get(key)
+            return b is not None and b.readers == 0 and (pins or b.pinned_until <= now)
+
+        return ok
+
+    def _alloc_dram(self, size: int) -> tuple[int, int] | None:
+        where = self.dram.alloc(size)
+        if where is not None:
+            return where
+        # Make room: unpinned victims first, then (soft pins) pinned ones.
+        for pins in (False, True):
+            evictable = self._evictable(pins=pins)
+            while where is None:
+                victim = self.policies["dram"].victim(evictable)
+                if victim is None:
+                    break
+                self._evict(self.blocks[victim])
+                where = self.dram.alloc(size)
+            if where is not None:
+                return where
+        return None
+
+    def _alloc_hbm(self, size: int) -> int | None:
+        assert self.hbm is not None
+        off = self.hbm.alloc(size)
+        evictable = self._evictable(pins=False)
+        while off is None:
+            victim = self.policies["hbm"].victim(evictable)
+            if victim is None:
+                return None
+            self._evict(self.blocks[victim])
+            off = self.hbm.alloc(size)
+        return off
+
+    def _enforce(self, tier: str) -> None:
+        """Evict from ``tier`` down to the low watermark once it is above the high one."""
+        capacity, used = self._usage(tier)
+        if capacity == 0 or used <= self.config.high_watermark * capacity:
+            return
+        evictable = self._evictable(pins=False)
+        policy = self.policies[tier]
+        while used > self.config.low_watermark * capacity:
+            victim = policy.victim(evictable)
+            if victim is None:
+                log.warning("event=eviction_stalled tier=%s used=%d capacity=%d reason=all_blocks_leased_or_pinned",
+                            tier, used, capacity)
+                return
+            self._evict(self.blocks[victim])
+            capacity, used = self._usage(tier)
+
+    def _usage(self, tier: str) -> tuple[int, int]:
+        if tier == "dram":
+            return self.dram.capacity, self.dram.used
+        if tier == "ssd":
+            return (self.ssd.capacity, self.ssd.used) if self.ssd else (0, 0)
+        return (self.hbm.capacity, self.hbm.used) if self.hbm else (0, 0)
+
+    def _evict(self, block: Block) -> None:
+        """Move a block one tier down (hbm -> dram -> ssd) or drop it."""
+        journal: list[tuple[int, str, int, int, int, int]] = []
+        self.metrics.evictions.labels(tier=block.tier).inc()
+        if block.tier == "hbm":
+            where = self.dram.alloc(block.size) if self.dram.used + block.size <= (
+                self.config.high_watermark * self.dram.capacity) else None
+            if where is not None:
+                assert self.hbm is not None
+                self.hbm.read_into(block.offset, self.dram.view(where[0], where[1], block.size))
+                self._drop(block, journal)
+                moved = Block(block.key, block.size, block.checksum, "dram", where[0], where[1])
+                self._index(moved)
+                journal.append((JOURNAL_PUT, moved.key, moved.segment, moved.offset, moved.size, moved.checksum))
+                self.dram.journal(journal)
+                return
+        if block.tier == "dram" and self.ssd is not None and block.size <= self.ssd.capacity:
+            self.ssd.write(block.key, self.view(block), block.checksum)
+            self._drop(block, journal)
+            self._index(Block(block.key, block.size, block.checksum, "ssd"))
+            self.dram.journal(journal)
+            self._enforce("ssd")
+            return
+        self._drop(block, journal)
+        self.dram.journal(journal)
+
+    def _drop(self, block: Block, journal: list[tuple[int, str, int, int, int, int]]) -> None:
+        """Forget a block and free its space; a DRAM extent's DEL record precedes any reuse."""
+        self.blocks.pop(block.key, None)
+        self.policies[block.tier].remove(block.key)
+        if block.tier == "dram":
+            journal.append((JOURNAL_DEL, block.key, block.segment, block.offset, block.size, block.checksum))
+            # The DEL must reach the journal before the extent can be written again.
+            self.dram.journal(journal)
+            journal.clear()
+        self._free_space(block.tier, block.segment, block.offset, block.size, key=block.key)
+
+    def _free_space(self, tier: str, segment: int, offset: int, size: int, *, key: str = "") -> None:
+        if tier == "dram":
+            self.dram.free(segment, offset, size)
+        elif tier == "hbm" and self.hbm is not None:
+            self.hbm.free(offset, size)
+        elif tier == "ssd" and self.ssd is not None:
+            self.ssd.remove(key, size)
+
+    def _promote(self, block: Block) -> bool:
+        """Bring an SSD block into DRAM on a hit; False (and the block dropped) when it fails its checksum."""
+        assert self.ssd is not None
+        where = self._alloc_dram(block.size)
+        if where is None:
+            return False
+        view = self.dram.view(where[0], where[1], block.size)
+        journal: list[tuple[int, str, int, int, int, int]] = []
+        if not self.ssd.read_into(block.key, view, block.checksum):
+            self.dram.free(*where, block.size)
+            self.metrics.corrupt.inc()
+            self._drop(block, journal)
+            return False
+        self._drop(block, journal)
+        block.tier, block.segment, block.offset = "dram", where[0], where[1]
+        self._index(block)
+        journal.append((JOURNAL_PUT, block.key, block.segment, block.offset, block.size, block.checksum))
+        self.dram.journal(journal)
+        self.metrics.promotions.inc()
+        return True
+
+    def maybe_compact(self) -> None:
+        with self.lock:
+            if self.dram.needs_compaction():
+                self.dram.compact([Adopted(b.key, b.segment, b.offset, b.size, b.checksum)
+                                   for b in self.blocks.values() if b.tier == "dram"])
+
+    def _report(self) -> None:
+        self.metrics.capacity.labels(tier="dram").set(self.dram.capacity)
+        self.metrics.used.labels(tier="dram").set(self.dram.used)
+        if self.ssd is not None:
+            self.metrics.capacity.labels(tier="ssd").set(self.ssd.capacity)
+            self.metrics.used.labels(tier="ssd").set(self.ssd.used)
+        if self.hbm is not None:
+            self.metrics.capacity.labels(tier="hbm").set(self.hbm.capacity)
+            self.metrics.used.labels(tier="hbm").set(self.hbm.used)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            counts = {"blocks": len(self.blocks), "dram_used": self.dram.used, "dram_capacity": self.dram.capacity}
+            for tier in ("dram", "ssd", "hbm"):
+                counts[f"blocks_{tier}"] = sum(1 for b in self.blocks.values() if b.tier == tier)
+            counts["ssd_used"] = self.ssd.used if self.ssd else 0
+            counts["leases"] = len(self.leases)
+            return counts

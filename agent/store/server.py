@@ -1,0 +1,523 @@
+"""The agent's store server: authenticated connections, request dispatch, pool membership and handoff.
+
+One thread per connection with blocking sockets: ``recv_into`` and
+``sendmsg`` release the GIL, so bytes move at socket speed while the index
+work stays short under the store's lock. A connection that sends a bad
+token, a malformed or oversized frame is closed with a logged reason; no
+other connection notices.
+
+Membership is masterless: every agent pings the peers it knows (the static
+``--peers`` list, or the pool's published endpoints) and learns new ones
+from their replies. An agent that leaves marks itself leaving, hands each
+block to the key's new homes among the others, and only then stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from daybreak.agent.store import protocol as p
+from daybreak.agent.store.checksum import crc32c
+from daybreak.agent.store.connection import Connection, parse_address
+from daybreak.agent.store.engine import Block, BlockStore, Reservation
+from daybreak.agent.store.placement import rank
+from daybreak.agent.transfer.segment import ShmSegment
+
+log = logging.getLogger("daybreak.store.server")
+
+HEARTBEAT_SECONDS = 0.5
+DEAD_AFTER_FAILURES = 2
+HANDOFF_BATCH = 32
+
+
+@dataclass
+class Peer:
+    address: str
+    agent_id: str = ""
+    live: bool = False
+    leaving: bool = False
+    failures: int = 0
+    last_seen: float = 0.0
+
+
+class PeerPool:
+    """Idle connections to other agents, borrowed one request at a time."""
+
+    def __init__(self, token: bytes, agent_id: str) -> None:
+        self.token = token
+        self.agent_id = agent_id
+        self._idle: dict[str, list[Connection]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def borrow(self, address: str, *, timeout_seconds: float = 10.0) -> Iterator[Connection]:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            conn = idle.pop() if idle else None
+        if conn is None:
+            conn = Connection(address, token=self.token, timeout_seconds=timeout_seconds, client=self.agent_id)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+
+    def drop(self, address: str) -> None:
+        with self._lock:
+            for conn in self._idle.pop(address, []):
+                conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for conn in conns:
+                    conn.close()
+            self._idle.clear()
+
+
+class StoreServer:
+    """Serves one BlockStore on ``listen`` for the pool that shares ``token``."""
+
+    def __init__(self, store: BlockStore, *, listen: str, token: bytes, pool: str, advertise: str = "",
+                 peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10) -> None:
+        self.store = store
+        self.token = token
+        self.pool = pool
+        self.replicas = replicas
+        self.lease_seconds = lease_seconds
+        host, port = parse_address(listen)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(128)
+        bound_port = self.sock.getsockname()[1]
+        self.address = advertise or f"{host if host not in ('0.0.0.0', '::') else socket.gethostname()}:{bound_port}"
+        self.agent_id = self.address
+        self.leaving = False
+        self._closed = threading.Event()
+        self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.Lock()
+        for address in peers or []:
+            if address and address != self.address:
+                self._peers[address] = Peer(address)
+        self.pool_conns = PeerPool(token, self.agent_id)
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self.nonce = secrets.token_bytes(16)
+        self.probe = ShmSegment.create(f"{store.dram.prefix}-probe", 4096, exist_ok=True)
+        self.probe.buffer[:16] = self.nonce
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for target, name in ((self._accept_loop, "store-accept"), (self._heartbeat_loop, "store-heartbeat"),
+                             (self._maintenance_loop, "store-maintenance")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        if self._peers:
+            self._heartbeat_once()
+
+    def close(self) -> None:
+        """Stop serving (blocks stay in /dev/shm for the next start to re-adopt)."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with self._conns_lock:
+            for conn in list(self._conns):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.pool_conns.close()
+        with contextlib.suppress(BufferError):
+            self.probe.close()
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def me(self) -> p.Member:
+        return p.Member(self.agent_id, self.address, 1 if self.leaving else 0)
+
+    def members(self) -> list[p.Member]:
+        """Live, serving agents as this agent sees them (itself included unless leaving)."""
+        out = [] if self.leaving else [self.me()]
+        with self._peers_lock:
+            out += [p.Member(x.agent_id or x.address, x.address, 0) for x in self._peers.values()
+                    if x.live and not x.leaving]
+        return out
+
+    def live_ids(self, *, include_self: bool = True) -> list[str]:
+        return [m.agent_id for m in self.members() if include_self or m.agent_id != self.agent_id]
+
+    def _address_of(self, agent_id: str) -> str:
+        with self._peers_lock:
+            for x in self._peers.values():
+                if (x.agent_id or x.address) == agent_id:
+                    return x.address
+        return agent_id
+
+    def _heard(self, member: p.Member) -> None:
+        if member.address == self.address:
+            return
+        with self._peers_lock:
+            peer = self._peers.setdefault(member.address, Peer(member.address))
+            was_live = peer.live and not peer.leaving
+            peer.agent_id, peer.leaving, peer.live = member.agent_id, bool(member.state), True
+            peer.failures, peer.last_seen = 0, time.monotonic()
+        if not was_live and not member.state:
+            log.info("event=peer_joined agent=%s peer=%s", self.agent_id, member.address)
+
+    def _heartbeat_once(self) -> None:
+        with self._peers_lock:
+            addresses = list(self._peers)
+        for address in addresses:
+            try:
+                with self.pool_conns.borrow(address, timeout_seconds=2.0) as conn:
+                    view = conn.ping(self.me())
+                for member in view:
+                    if member.address == address or member.address not in self._peers:
+                        self._heard(member)
+            except Exception as exc:  # any failure counts as a missed heartbeat
+                with self._peers_lock:
+                    peer = self._peers[address]
+                    peer.failures += 1
+                    if peer.live and peer.failures >= DEAD_AFTER_FAILURES:
+                        peer.live = False
+                        log.warning("event=peer_lost agent=%s peer=%s reason=%s", self.agent_id, address,
+                                    str(exc) or type(exc).__name__)
+                self.pool_conns.drop(address)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(HEARTBEAT_SECONDS):
+            self._heartbeat_once()
+
+    def _maintenance_loop(self) -> None:
+        while not self._closed.wait(0.5):
+            self.store.expire()
+            self.store.maybe_compact()
+
+    # -- leaving ----------------------------------------------------------------------------------
+
+    def leave(self) -> int:
+        """Hand every block to its new homes among the remaining agents; returns blocks moved."""
+        self.leaving = True
+        self._heartbeat_once()  # tell the peers now rather than at the next tick
+        targets = self.live_ids(include_self=False)
+        if not targets:
+            log.info("event=handoff_skipped agent=%s reason=no_live_peers", self.agent_id)
+            return 0
+        plan: dict[str, list[str]] = {}
+        for block in self.store.keys():
+            for agent in rank(block.key, targets)[:self.replicas]:
+                plan.setdefault(agent, []).append(block.key)
+        moved = 0
+        started = time.monotonic()
+        for agent, keys in plan.items():
+            address = self._address_of(agent)
+            for i in range(0, len(keys), HANDOFF_BATCH):
+                try:
+                    moved += self._push(address, keys[i:i + HANDOFF_BATCH])
+                except Exception as exc:  # a peer failing must not stop the others
+                    log.warning("event=handoff_failed agent=%s peer=%s keys=%d reason=%s", self.agent_id, address,
+                                len(keys[i:i + HANDOFF_BATCH]), exc)
+                    break
+        log.info("event=handoff_done agent=%s blocks=%d peers=%d seconds=%.2f", self.agent_id, moved, len(plan),
+                 time.monotonic() - started)
+        return moved
+
+    def _push(self, address: str, keys: list[str]) -> int:
+        with self.pool_conns.borrow(address) as conn:
+            there = conn.exists(keys)
+            missing = [k for k, info in zip(keys, there, strict=True) if info.status != p.Status.OK]
+            if not missing:
+                return 0
+            blocks = self.store.acquire(missing)
+            try:
+                held = [b for b in blocks if b is not None]
+                views = [self._read_view(b) for b in held]
+                infos = conn.put([b.key for b in held], views, [b.checksum for b in held], flags=p.FLAG_REPLICA)
+            finally:
+                self.store.release(blocks)
+            return sum(1 for info in infos if info.status == p.Status.OK)
+
+    def _read_view(self, block: Block) -> memoryview:
+        if block.tier == "hbm":
+            out = memoryview(bytearray(block.size))
+            self.store.read_hbm_into(block, out)
+            return out
+        return self.store.view(block)
+
+    # -- pull-through -----------------------------------------------------------------------------
+
+    def _pull(self, keys: list[str]) -> None:
+        """At a key's home: fetch blocks missing here from the other agents (a joiner taking over its share)."""
+        missing = [k for k, b in zip(keys, self.store.exists(keys), strict=True) if b is None]
+        others = self.live_ids(include_self=False)
+        if not missing or not others:
+            return
+        by_peer: dict[str, list[str]] = {}
+        for key in missing:
+            by_peer.setdefault(rank(key, others)[0], []).append(key)
+        remaining = set(missing)
+        for _round in range(len(others)):
+            for agent, group in by_peer.items():
+                try:
+                    self._pull_from(self._address_of(agent), group, remaining)
+                except Exception as exc:  # a peer failing must not stop the others
+                    log.info("event=pull_failed agent=%s peer=%s reason=%s", self.agent_id, agent, exc)
+            if not remaining:
+                return
+            # Next round: ask each remaining key's next-ranked agent.
+            by_peer = {}
+            for key in remaining:
+                order = rank(key, others)
+                if _round + 1 < len(order):
+                    by_peer.setdefault(order[_round + 1], []).append(key)
+
+    def _pull_from(self, address: str, keys: list[str], remaining: set[str]) -> None:
+        with self.pool_conns.borrow(address, timeout_seconds=10.0) as conn:
+            infos = conn.exists(keys)
+            wanted: list[tuple[str, Reservation]] = []
+            for key, info in zip(keys, infos, strict=True):
+                if info.status != p.Status.OK:
+                    continue
+                res = self.store.reserve(key, info.size, info.checksum)
+                if isinstance(res, Reservation):
+                    wanted.append((key, res))
+            if not wanted:
+                return
+            ok: list[Reservation] = []
+            try:
+                results = conn.get_into([k for k, _ in wanted], [self.store.target(r) for _, r in wanted])
+                for (key, res), info in zip(wanted, results, strict=True):
+                    if info.status == p.Status.OK and info.size == res.size and (
+                            crc32c(self.store.target(res)) == res.checksum):
+                        ok.append(res)
+                        remaining.discard(key)
+            finally:
+                self.store.commit(ok)
+                self.store.commit([r for _, r in wanted if r not in ok], ok=False)
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
+                                 name="store-conn")
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            conn.settimeout(30.0)  # a client that stalls inside the handshake is dropped
+            header, meta = p.read_frame(conn)
+            if header.op != p.Op.HELLO:
+                raise p.ProtocolError(f"first frame is {header.op.name}, expected HELLO")
+            hello = p.Hello.decode(meta)
+            if header.data_len or not hmac.compare_digest(hello.token, self.token):
+                self.store.metrics.rejected.labels(reason="auth").inc()
+                self._error(conn, header.request_id, "authentication failed: wrong pool token")
+                log.warning("event=connection_refused agent=%s peer=%s reason=wrong_token", self.agent_id, peer)
+                return
+            reply = p.HelloReply(self.agent_id, self.pool, self.probe.name, self.nonce, self.lease_seconds,
+                                 self.replicas).encode()
+            p.send_all(conn, p.frame(p.Op.REPLY, reply, request_id=header.request_id))
+            conn.settimeout(None)
+            while not self._closed.is_set():
+                try:
+                    header, meta = p.read_frame(conn)
+                except ConnectionError:
+                    return
+                started = time.perf_counter()
+                self._dispatch(conn, header, meta)
+                self.store.metrics.latency.labels(op=header.op.name.lower()).observe(time.perf_counter() - started)
+        except p.ProtocolError as exc:
+            self.store.metrics.rejected.labels(reason="protocol").inc()
+            log.warning("event=connection_closed agent=%s peer=%s reason=%r", self.agent_id, peer, str(exc))
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("event=connection_lost agent=%s peer=%s reason=%s", self.agent_id, peer, exc)
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _error(self, conn: socket.socket, rid: int, text: str) -> None:
+        with contextlib.suppress(OSError):
+            p.send_all(conn, p.frame(p.Op.ERROR, p.TextReply(text).encode(), request_id=rid))
+
+    def _reply(self, conn: socket.socket, rid: int, meta: bytes, data: list[memoryview] | None = None) -> None:
+        total = sum(len(d) for d in data or [])
+        p.send_all(conn, [*p.frame(p.Op.REPLY, meta, request_id=rid, data_len=total), *(data or [])])
+
+    def _dispatch(self, conn: socket.socket, header: p.Header, meta: bytearray) -> None:
+        op, rid = header.op, header.request_id
+        if op in (p.Op.REPLY, p.Op.ERROR, p.Op.HELLO):
+            raise p.ProtocolError(f"unexpected {op.name} frame from a client")
+        request = p.decode_request(op, meta)
+        if op != p.Op.PUT and header.data_len:
+            raise p.ProtocolError(f"{op.name} carries no data section, got {header.data_len} bytes")
+        if op == p.Op.PUT:
+            assert isinstance(request, p.PutRequest)
+            self._put(conn, header, request)
+        elif op in (p.Op.GET, p.Op.LOCATE):
+            assert isinstance(request, p.KeysRequest)
+            if header.flags & p.FLAG_PULL:
+                self._pull(request.keys)
+            if op == p.Op.GET:
+                self._get(conn, rid, request)
+            else:
+                self._locate(conn, rid, request)
+        elif op == p.Op.EXISTS:
+            assert isinstance(request, p.KeysRequest)
+            infos = [p.BlockInfo(p.Status.OK, b.size, b.checksum) if b else p.BlockInfo(p.Status.MISS)
+                     for b in self.store.exists(request.keys)]
+            self._reply(conn, rid, p.BlocksReply(infos).encode())
+        elif op == p.Op.REMOVE:
+            assert isinstance(request, p.KeysRequest)
+            statuses = self.store.remove(request.keys)
+            self._reply(conn, rid, p.BlocksReply([p.BlockInfo(s) for s in statuses]).encode())
+        elif op == p.Op.REPORT:
+            assert isinstance(request, p.KeysRequest)
+            infos = [p.BlockInfo(p.Status.CORRUPT if self.store.drop_corrupt(k) else p.Status.OK)
+                     for k in request.keys]
+            self._reply(conn, rid, p.BlocksReply(infos).encode())
+        elif op == p.Op.RELEASE:
+            assert isinstance(request, p.LeaseRequest)
+            self.store.end_lease(request.lease_id)
+        elif op == p.Op.ALLOC:
+            assert isinstance(request, p.AllocRequest)
+            self._alloc(conn, rid, request)
+        elif op == p.Op.COMMIT:
+            assert isinstance(request, p.LeaseRequest)
+            parked = self.store.unpark(request.lease_id) or []
+            done = [r for r in parked if r is not None]
+            self.store.commit(done, ok=not header.flags & p.FLAG_ABORT)
+            self._reply(conn, rid, p.BlocksReply([p.BlockInfo(p.Status.OK if r else p.Status.MISS)
+                                                  for r in parked]).encode())
+        elif op == p.Op.MEMBERS:
+            self._reply(conn, rid, p.MembersReply(self.members()).encode())
+        elif op == p.Op.PING:
+            assert isinstance(request, p.MembersReply)
+            for member in request.members[:1]:
+                self._heard(member)
+            self._reply(conn, rid, p.MembersReply(self.members()).encode())
+        elif op == p.Op.STATS:
+            counts = {**self.store.stats(), "rss_bytes": _rss_bytes(), "rss_peak_bytes": _peak_rss_bytes(), "peers_live": len(self.live_ids()) - 1}
+            text = "\n".join(f"{k}={v}" for k, v in counts.items())
+            self._reply(conn, rid, p.TextReply(text).encode())
+
+    def _put(self, conn: socket.socket, header: p.Header, req: p.PutRequest) -> None:
+        if header.data_len != sum(req.sizes):
+            raise p.ProtocolError(f"PUT data section is {header.data_len} bytes, sizes add up to {sum(req.sizes)}")
+        if self.leaving and not header.flags & p.FLAG_REPLICA:
+            p.discard(conn, header.data_len)
+            self._reply(conn, header.request_id,
+                        p.BlocksReply([p.BlockInfo(p.Status.LEAVING) for _ in req.keys]).encode())
+            return
+        tier = "hbm" if req.tier == 1 else "dram"
+        slots = [self.store.reserve(k, s, c, tier=tier, pin_seconds=req.pin_seconds)
+                 for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        reserved = [s for s in slots if isinstance(s, Reservation)]
+        try:
+            for slot, size in zip(slots, req.sizes, strict=True):
+                if not isinstance(slot, Reservation):
+                    p.discard(conn, size)
+                elif slot.tier == "hbm":
+                    staging = memoryview(bytearray(size))
+                    p.recv_exact_into(conn, staging)
+                    self.store.write_hbm(slot, staging)
+                else:
+                    p.recv_exact_into(conn, self.store.target(slot))
+        except BaseException:
+            self.store.commit(reserved, ok=False)
+            raise
+        self.store.commit(reserved)
+        infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum) if isinstance(s, Reservation) else p.BlockInfo(s)
+                 for s in slots]
+        self._reply(conn, header.request_id, p.BlocksReply(infos).encode())
+
+    def _get(self, conn: socket.socket, rid: int, req: p.KeysRequest) -> None:
+        blocks = self.store.acquire(req.keys)
+        try:
+            infos: list[p.BlockInfo] = []
+            data: list[memoryview] = []
+            for i, block in enumerate(blocks):
+                if block is None:
+                    infos.append(p.BlockInfo(p.Status.MISS))
+                elif req.capacities and block.size > req.capacities[i]:
+                    infos.append(p.BlockInfo(p.Status.TOO_SMALL, block.size, block.checksum))
+                else:
+                    infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum))
+                    data.append(self._read_view(block))
+            self._reply(conn, rid, p.BlocksReply(infos).encode(), data)
+        finally:
+            self.store.release(blocks)
+
+    def _locate(self, conn: socket.socket, rid: int, req: p.KeysRequest) -> None:
+        blocks = self.store.acquire(req.keys)
+        infos: list[p.BlockInfo] = []
+        for block in blocks:
+            if block is None:
+                infos.append(p.BlockInfo(p.Status.MISS))
+            elif block.tier != "dram":
+                # Not mappable from another process: the client falls back to GET for it.
+                infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, ""))
+            else:
+                infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum,
+                                         self.store.dram.segment_name(block.segment), block.offset))
+        lease_id = self.store.lease(blocks)
+        self._reply(conn, rid, p.BlocksReply(infos, lease_id).encode())
+
+    def _alloc(self, conn: socket.socket, rid: int, req: p.AllocRequest) -> None:
+        if self.leaving:
+            self._reply(conn, rid, p.BlocksReply([p.BlockInfo(p.Status.LEAVING) for _ in req.keys]).encode())
+            return
+        slots = [self.store.reserve(k, s, c, pin_seconds=req.pin_seconds)
+                 for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
+        rid_parked = self.store.park(parked)
+        infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, self.store.dram.segment_name(s.segment), s.offset)
+                 if isinstance(s, Reservation) else p.BlockInfo(s) for s in slots]
+        self._reply(conn, rid, p.BlocksReply(infos, rid_parked).encode())
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process (includes the shared-memory pages it has touched)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _peak_rss_bytes() -> int:
+    """High-water mark of the resident set (VmHWM)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

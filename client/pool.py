@@ -1,0 +1,386 @@
+"""``KVPoolClient``: batch put/get/exists/remove against a pool of store agents, zero-copy into caller buffers.
+
+The client ranks the live agents for each key with the same rendezvous hash
+the agents use, so it reaches a key's home in one hop with no directory
+service. Same-node agents are read and written through their shared-memory
+segments (one memcpy); others over TCP with ``recv_into`` straight into the
+caller's buffer. Every block read is checked against the CRC-32C its writer
+computed; a mismatch is reported to the agent and the next replica is tried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from daybreak.agent.store import protocol as p
+from daybreak.agent.store.checksum import crc32c
+from daybreak.agent.store.connection import Connection, RemoteError
+from daybreak.agent.store.placement import rank
+from daybreak.agent.transfer.segment import ShmSegment
+
+log = logging.getLogger("daybreak.client")
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DOWN_SECONDS = 2.0
+_MAX_BATCH_KEYS = 1024
+_MAX_BATCH_BYTES = 1 << 30
+
+
+class KVPoolError(Exception):
+    """The pool could not be reached or refused the client (for example a wrong token)."""
+
+
+def _view(buffer: Any, index: int, *, writable: bool) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"buffers[{index}] is a {type(buffer).__name__}, not a bytes-like object") from None
+    if not view.c_contiguous:
+        raise ValueError(f"buffers[{index}] is not C-contiguous")
+    if writable and view.readonly:
+        raise ValueError(f"buffers[{index}] is read-only; batch_get_into needs writable buffers")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class KVPoolClient:
+    """A synchronous client of one KV pool. Not thread-safe: use one per thread, or ``AsyncKVPoolClient``.
+
+    ``endpoints``: any agents of the pool (``host:port``); the rest are learned from them.
+    ``token``: the pool token. ``namespace``: the deployment's kvNamespace; keys of different
+    namespaces never collide. ``replicas``: copies written per block (default: the pool's setting).
+    ``transport``: ``"auto"`` uses shared memory with same-node agents, ``"tcp"`` never does.
+    ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
+    """
+
+    def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
+                 transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
+                 verify: bool = True) -> None:
+        if not endpoints:
+            raise ValueError("endpoints: give at least one agent address (host:port)")
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE.pattern}")
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        if replicas is not None and replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        self._endpoints = list(endpoints)
+        self._token = token.encode()
+        self._prefix = namespace + "/"
+        self._transport = transport
+        self._timeout = timeout_seconds
+        self._verify = verify
+        self._conns: dict[str, Connection] = {}
+        self._local: dict[str, bool] = {}
+        self._down: dict[str, float] = {}
+        self._maps: dict[str, ShmSegment] = {}
+        self._members: dict[str, str] = {}  # agent id -> address
+        self._refreshed = 0.0
+        self._refresh(force=True)
+        first = next(iter(self._conns.values()))
+        self.replicas = replicas or max(1, first.hello.replicas)
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *, pin_seconds: int = 0) -> list[int]:
+        """Store ``buffers[i]`` under ``keys[i]``; returns the copies written per key (0 = not stored).
+
+        ``pin_seconds`` soft-pins the blocks against eviction for that long (hot prefixes).
+        """
+        self._check(keys, buffers)
+        views = [_view(b, i, writable=False) for i, b in enumerate(buffers)]
+        checksums = [crc32c(v) for v in views]
+        wire = [self._prefix + k for k in keys]
+        copies = [0] * len(keys)
+        tried: list[set[str]] = [set() for _ in keys]
+        live = self._live()
+        order = [rank(k, live) for k in wire]
+        for _ in range(max(len(live), 1)):
+            groups: dict[str, list[int]] = {}
+            for i in range(len(keys)):
+                need = self.replicas - copies[i]
+                if need <= 0:
+                    continue
+                for agent in [a for a in order[i] if a not in tried[i] and not self._is_down(a)][:need]:
+                    groups.setdefault(agent, []).append(i)
+                    tried[i].add(agent)
+            if not groups:
+                break
+            for agent, idxs in groups.items():
+                for chunk in self._chunks(idxs, [len(v) for v in views]):
+                    statuses = self._put_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk],
+                                               [checksums[i] for i in chunk], pin_seconds)
+                    for i, status in zip(chunk, statuses, strict=True):
+                        if status == p.Status.OK:
+                            copies[i] += 1
+        return copies
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        """Read each key into the start of ``buffers[i]``; returns the block's size in bytes, or None on a miss.
+
+        Raises ValueError when a buffer is smaller than its stored block (after filling the others).
+        """
+        self._check(keys, buffers)
+        views = [_view(b, i, writable=True) for i, b in enumerate(buffers)]
+        wire = [self._prefix + k for k in keys]
+        results: list[int | None] = [None] * len(keys)
+        too_small: list[str] = []
+        live = self._live()
+        order = [rank(k, live) for k in wire]
+        tried: list[set[str]] = [set() for _ in keys]
+        pending = list(range(len(keys)))
+        for _ in range(max(len(live), 1)):
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                candidates = [a for a in order[i] if a not in tried[i] and not self._is_down(a)]
+                if candidates:
+                    groups.setdefault(candidates[0], []).append(i)
+                    tried[i].add(candidates[0])
+            if not groups:
+                break
+            pending = []
+            for agent, idxs in groups.items():
+                for chunk in self._chunks(idxs, [len(v) for v in views]):
+                    infos = self._get_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk])
+                    if infos is None:
+                        pending += chunk  # agent unreachable: ask the next replica
+                        continue
+                    bad: list[str] = []
+                    for i, info in zip(chunk, infos, strict=True):
+                        if info.status == p.Status.OK:
+                            if self._verify and crc32c(views[i][:info.size]) != info.checksum:
+                                bad.append(wire[i])
+                                pending.append(i)
+                            else:
+                                results[i] = info.size
+                        elif info.status == p.Status.TOO_SMALL:
+                            too_small.append(f"{keys[i]!r} needs {info.size} bytes, buffers[{i}] has {len(views[i])}")
+                    if bad:
+                        log.warning("event=checksum_mismatch agent=%s keys=%d action=reported", agent, len(bad))
+                        self._call(agent, lambda c, bad=bad: c.report(bad))
+        if too_small:
+            raise ValueError("buffer too small for stored block: " + "; ".join(too_small))
+        return results
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held by some live agent."""
+        wire = [self._prefix + k for k in keys]
+        live = self._live()
+        found = [False] * len(keys)
+        for position in range(len(live)):
+            groups: dict[str, list[int]] = {}
+            for i, k in enumerate(wire):
+                if not found[i]:
+                    groups.setdefault(rank(k, live)[position], []).append(i)
+            if not groups:
+                break
+            for agent, idxs in groups.items():
+                infos = self._call(agent, lambda c, idxs=idxs: c.exists([wire[i] for i in idxs]))
+                for i, info in zip(idxs, infos or [], strict=False):
+                    found[i] = found[i] or info.status == p.Status.OK
+        return found
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove keys from every live agent; True where some copy was removed."""
+        wire = [self._prefix + k for k in keys]
+        removed = [False] * len(keys)
+        for agent in self._live():
+            infos = self._call(agent, lambda c: c.remove(wire))
+            for i, info in enumerate(infos or []):
+                removed[i] = removed[i] or info.status == p.Status.OK
+        return removed
+
+    def members(self) -> list[str]:
+        """Addresses of the live agents this client currently places keys on."""
+        return [self._members[a] for a in self._live()]
+
+    def close(self) -> None:
+        """Close connections and unmap shared segments."""
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        for seg in self._maps.values():
+            with contextlib.suppress(BufferError):
+                seg.close()
+        self._maps.clear()
+
+    def __enter__(self) -> KVPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- membership and connections ----------------------------------------------------------------
+
+    @staticmethod
+    def _check(keys: Sequence[str], buffers: Sequence[Any]) -> None:
+        if len(keys) != len(buffers):
+            raise ValueError(f"keys ({len(keys)}) and buffers ({len(buffers)}) differ in length")
+        for i, k in enumerate(keys):
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"keys[{i}] must be a non-empty str")
+
+    @staticmethod
+    def _chunks(idxs: list[int], sizes: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[]]
+        total = 0
+        for i in idxs:
+            if out[-1] and (len(out[-1]) >= _MAX_BATCH_KEYS or total + sizes[i] > _MAX_BATCH_BYTES):
+                out.append([])
+                total = 0
+            out[-1].append(i)
+            total += sizes[i]
+        return out
+
+    def _is_down(self, agent: str) -> bool:
+        until = self._down.get(agent)
+        return until is not None and until > time.monotonic()
+
+    def _mark_down(self, agent: str, reason: str) -> None:
+        log.info("event=agent_unavailable agent=%s reason=%s", agent, reason)
+        self._down[agent] = time.monotonic() + _DOWN_SECONDS
+        conn = self._conns.pop(agent, None)
+        if conn is not None:
+            conn.close()
+        self._refreshed = 0.0  # ask the pool who is live at the next call
+
+    def _connect(self, agent: str) -> Connection:
+        conn = self._conns.get(agent)
+        if conn is not None:
+            return conn
+        address = self._members.get(agent, agent)
+        try:
+            conn = Connection(address, token=self._token, timeout_seconds=self._timeout)
+        except RemoteError as exc:
+            raise KVPoolError(f"agent {address} refused the client: {exc}") from None
+        self._conns[agent] = conn
+        self._local[agent] = self._transport == "auto" and self._probe(conn)
+        # A restarted agent may have new segments: drop mappings from before.
+        prefix = conn.hello.shm_probe.removesuffix("-probe")
+        for name in [n for n in self._maps if n.startswith(prefix)]:
+            with contextlib.suppress(BufferError):
+                self._maps.pop(name).close()
+        return conn
+
+    def _probe(self, conn: Connection) -> bool:
+        """True when this process maps the agent's /dev/shm (same node): the probe segment holds its nonce."""
+        try:
+            seg = ShmSegment.attach(conn.hello.shm_probe)
+        except (OSError, ValueError):
+            return False
+        try:
+            return bytes(seg.buffer[:len(conn.hello.shm_nonce)]) == conn.hello.shm_nonce
+        finally:
+            with contextlib.suppress(BufferError):
+                seg.close()
+
+    def _refresh(self, *, force: bool = False) -> None:
+        if not force and time.monotonic() - self._refreshed < 1.0:
+            return
+        errors = []
+        sources = list(self._conns) + [e for e in self._endpoints if e not in self._conns]
+        for agent in sources:
+            try:
+                conn = self._connect(agent)
+                members = conn.members()
+            except KVPoolError:
+                raise
+            except (OSError, p.ProtocolError, RemoteError) as exc:
+                errors.append(f"{agent}: {exc}")
+                self._conns.pop(agent, None)
+                continue
+            if conn.address != conn.hello.agent_id and agent in self._conns:
+                # Key connections by agent id from now on.
+                self._conns[conn.hello.agent_id] = self._conns.pop(agent)
+                self._local[conn.hello.agent_id] = self._local.pop(agent, False)
+            self._members = {m.agent_id: m.address for m in members if m.state == 0}
+            self._refreshed = time.monotonic()
+            return
+        if force or not self._members:
+            raise KVPoolError("no agent of the pool is reachable: " + "; ".join(errors))
+
+    def _live(self) -> list[str]:
+        self._refresh()
+        live = [a for a in self._members if not self._is_down(a)]
+        return live or list(self._members)
+
+    def _call(self, agent: str, fn: Any) -> Any:
+        """Run ``fn(connection)``; None (and the agent marked down for a moment) if it fails."""
+        try:
+            return fn(self._connect(agent))
+        except KVPoolError:
+            raise
+        except (OSError, p.ProtocolError, RemoteError) as exc:
+            self._mark_down(agent, str(exc) or type(exc).__name__)
+            return None
+
+    # -- data paths ---------------------------------------------------------------------------------
+
+    def _segment(self, name: str) -> ShmSegment:
+        seg = self._maps.get(name)
+        if seg is None:
+            seg = self._maps[name] = ShmSegment.attach(name)
+        return seg
+
+    def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
+                   pin_seconds: int) -> list[p.Status | None]:
+        def tcp(conn: Connection) -> list[p.Status]:
+            return [i.status for i in conn.put(keys, views, checksums, pin_seconds=pin_seconds)]
+
+        def shm(conn: Connection) -> list[p.Status]:
+            reply = conn.alloc(keys, [len(v) for v in views], checksums, pin_seconds=pin_seconds)
+            try:
+                for info, view in zip(reply.blocks, views, strict=True):
+                    if info.status == p.Status.OK:
+                        self._segment(info.where).buffer[info.offset:info.offset + len(view)] = view
+            except BaseException:
+                conn.commit(reply.lease_id, abort=True)
+                raise
+            committed = conn.commit(reply.lease_id)
+            return [i.status if c.status == p.Status.OK else c.status
+                    for i, c in zip(reply.blocks, committed, strict=True)]
+
+        self._connect_quietly(agent)
+        statuses = self._call(agent, shm if self._local.get(agent) else tcp)
+        if statuses is None:
+            return [None] * len(keys)
+        if p.Status.LEAVING in statuses:
+            self._mark_down(agent, "leaving")
+        return list(statuses)
+
+    def _get_group(self, agent: str, keys: list[str], views: list[memoryview]) -> list[p.BlockInfo] | None:
+        def tcp(conn: Connection) -> list[p.BlockInfo]:
+            return conn.get_into(keys, views, flags=p.FLAG_PULL)
+
+        def shm(conn: Connection) -> list[p.BlockInfo]:
+            reply = conn.locate(keys, flags=p.FLAG_PULL)
+            try:
+                fallback = []
+                for i, (info, view) in enumerate(zip(reply.blocks, views, strict=True)):
+                    if info.status != p.Status.OK:
+                        continue
+                    if info.size > len(view):
+                        info.status = p.Status.TOO_SMALL
+                    elif not info.where:
+                        fallback.append(i)
+                    else:
+                        view[:info.size] = self._segment(info.where).buffer[info.offset:info.offset + info.size]
+            finally:
+                conn.release(reply.lease_id)
+            if fallback:
+                got = conn.get_into([keys[i] for i in fallback], [views[i] for i in fallback])
+                for i, info in zip(fallback, got, strict=True):
+                    reply.blocks[i] = info
+            return reply.blocks
+
+        self._connect_quietly(agent)
+        result = self._call(agent, shm if self._local.get(agent) else tcp)
+        return None if result is None else list(result)
+
+    def _connect_quietly(self, agent: str) -> None:
+        with contextlib.suppress(OSError, p.ProtocolError, RemoteError):
+            self._connect(agent)
