@@ -45,6 +45,12 @@ class AgentSettings(BaseModel):
     replicas: int = Field(1, ge=1, description="copies of each block")
     token_file: str = Field("", description="file holding the pool token")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it")
+    advertise: str = Field("", description="host:port other agents and clients use to reach this store; "
+                           "empty means the listen address")
+    eviction_policy: Literal["lru", "s3fifo"] = Field("s3fifo", description="order in which blocks leave a tier")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="tier fill fraction at which eviction starts")
+    low_watermark: float = Field(0.8, ge=0, lt=1, description="tier fill fraction eviction frees down to")
+    lease_seconds: int = Field(10, ge=1, le=3600, description="how long a reader's lease protects a block")
 
     @classmethod
     def load(cls, *, config_file: str | None = None, overrides: dict[str, Any] | None = None,
