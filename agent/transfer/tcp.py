@@ -218,6 +218,25 @@ class _Peer:
                 return
         self.fail_frame(frame, "; ".join(frame.errors[-2:]), path=True)
 
+    def connection_lost(self, cause: str) -> None:
+        """With no live connection left and none to be made, nobody would drain the queue: fail it now."""
+        if any(c.alive for c in self.conns):
+            return
+        try:
+            if not self.closed:
+                self._ensure_connections(time.monotonic() + CONNECT_TIMEOUT_S)
+                return
+            reason = "engine closing"
+        except OSError as exc:
+            reason = f"{cause}; reconnect to {self.endpoint}: {exc}"
+        while True:
+            try:
+                frame = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if frame is not None and frame.live():
+                self.fail_frame(frame, reason, path=True)
+
     def fail_frame(self, frame: _Frame, cause: str, *, path: bool) -> None:
         seen: set[int] = set()
         for piece in frame.pieces:
@@ -398,6 +417,7 @@ class _Conn:
             log.warning("tcp connection broken peer=%s inflight=%d cause=%r", self.peer.endpoint, len(frames), cause)
         for frame in frames:
             self.peer.requeue(frame, cause)
+        self.peer.connection_lost(cause)
 
 
 # ---------------------------------------------------------------------------- server side
