@@ -34,6 +34,12 @@ class AgentSettings(BaseModel):
     sysfs_root: Path = Field(Path("/sys"), description="directory that plays /sys (fixture trees in tests)")
     runtime: RuntimeChoice = Field("auto", description="accelerator runtime; auto tries sunrise, nvidia, host")
     sunrise_lib_dir: str = Field("", description="directory holding libtangrt_shared.so and libptml_shared.so")
+    sunrise_pci_vendors: list[str] = Field(
+        default_factory=lambda: ["0x1f36"],
+        description="PCI vendor ids of Sunrise accelerators (0x1f36 is an unverified placeholder; see docs/hardware.md)")
+    rdma_devices: list[str] = Field(default_factory=list,
+                                    description="RDMA devices to register memory with; empty means every active one")
+    node_refresh_seconds: float = Field(60.0, gt=0, description="how often the node topology and labels are refreshed")
 
     # -- store ---------------------------------------------------------------------
     listen: str = Field("127.0.0.1:7480", description="host:port the store serves on")
