@@ -35,6 +35,7 @@ class Block:
     offset: int = 0           # dram/hbm offset
     readers: int = 0          # tcp sends and leases in progress
     pinned_until: float = 0.0
+    staged: memoryview | None = None  # an SSD block read into plain memory when DRAM had no room
 
 
 @dataclass
@@ -193,7 +194,9 @@ class BlockStore:
                     block.readers += 1  # keep the SSD copy from being evicted while it moves up
                     promoted = self._promote(block)
                     block.readers -= 1
-                    if not promoted:
+                    if promoted is None:
+                        block = self._stage(block)
+                    elif not promoted:
                         block = None
                 if block is None:
                     self.metrics.misses.inc()
@@ -408,12 +411,22 @@ class BlockStore:
         elif tier == "ssd" and self.ssd is not None:
             self.ssd.remove(key, size)
 
-    def _promote(self, block: Block) -> bool:
-        """Bring an SSD block into DRAM on a hit; False (and the block dropped) when it fails its checksum."""
+    def _stage(self, block: Block) -> Block | None:
+        """Serve an SSD block from plain memory (DRAM is full of blocks being read); None if it is corrupt."""
+        assert self.ssd is not None
+        staged = memoryview(bytearray(block.size))
+        if not self.ssd.read_into(block.key, staged, block.checksum):
+            self.metrics.corrupt.inc()
+            self._drop(block, [])
+            return None
+        return Block(block.key, block.size, block.checksum, "ssd", staged=staged)
+
+    def _promote(self, block: Block) -> bool | None:
+        """Bring an SSD block into DRAM on a hit: False (block dropped) if corrupt, None if DRAM has no room."""
         assert self.ssd is not None
         where = self._alloc_dram(block.size)
         if where is None:
-            return False
+            return None
         view = self.dram.view(where[0], where[1], block.size)
         journal: list[tuple[int, str, int, int, int, int]] = []
         if not self.ssd.read_into(block.key, view, block.checksum):

@@ -254,6 +254,8 @@ class StoreServer:
             return sum(1 for info in infos if info.status == p.Status.OK)
 
     def _read_view(self, block: Block) -> memoryview:
+        if block.staged is not None:
+            return block.staged
         if block.tier == "hbm":
             out = memoryview(bytearray(block.size))
             self.store.read_hbm_into(block, out)
