@@ -31,7 +31,9 @@ class CelRule:
     """One ``x-kubernetes-validations`` entry, evaluated by the API server on the object it is declared on.
 
     ``field_path`` (relative, e.g. ``.minReplicas``) is where the error is
-    reported, so the message names the field a user must change.
+    reported, so the message names the field a user must change. Avoid a
+    ``message_expression`` that formats values: the API server estimates
+    ``string(x)`` as unbounded and rejects the CRD for exceeding the CEL cost budget.
     """
 
     rule: str
@@ -91,13 +93,23 @@ class ApiModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+def _without_empty(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_empty(v) for k, v in value.items() if v not in ({}, [])}
+    return value
+
+
 def nested(model: type[BaseModel]) -> Any:
     """A sub-object that defaults to itself with all its own defaults.
 
-    The schema gets ``default: {}``, so the API server fills in the nested
-    defaults too and ``kubectl get -o yaml`` shows the effective settings.
+    The schema default is the whole defaulted object (not ``{}``): the API
+    server checks a default against the object's CEL rules without applying
+    the nested defaults first, so ``{}`` would fail rules such as
+    ``lowWatermark < highWatermark``. ``kubectl get -o yaml`` then shows the
+    effective settings.
     """
-    return Field(default_factory=model, json_schema_extra={"default": {}})
+    default = _without_empty(model().model_dump(mode="json", by_alias=True, exclude_none=True))
+    return Field(default_factory=model, json_schema_extra={"default": default})
 
 
 def plain(value: Any) -> Any:

@@ -27,10 +27,10 @@ snake_case attribute names (`spec.tiers.dram.bytes_per_node`), the objects use c
 - **Validation happens at the API server.** Types, enums, ranges, patterns and required fields are part of the
   OpenAPI schema; cross-field rules are CEL `x-kubernetes-validations` rules (listed per object below).
   `kubectl apply` rejects a bad manifest with a message that names the field, for example
-  `spec.eviction.lowWatermark: Invalid value: "object": lowWatermark (0.95) must be less than highWatermark (0.9)`.
+  `spec.eviction.lowWatermark: Invalid value: "object": lowWatermark must be less than highWatermark`.
 - **Defaults are applied by the API server**, so `kubectl get -o yaml` shows the effective settings. Optional
   sub-objects with defaults (`replication`, `eviction`, `transport`, `agent`, `prefill`, `decode`, `router`,
-  `autoscaling`, `updateStrategy`) default to `{}`, which fills in their own defaults.
+  `autoscaling`, `updateStrategy`) are filled in whole when left out, and field by field when given in part.
 - **Byte sizes** (`bytesPerNode`, `bytesPerDevice`) are Kubernetes quantities: an integer number of bytes or a
   string such as `64Gi`, `500M`, `1.5Ti` (binary suffixes `Ki Mi Gi Ti Pi Ei`, decimal `k M G T P E`, or an
   exponent `1e9`). Negative values and sub-byte suffixes (`m`, `u`, `n`) are rejected. The schema pattern is

@@ -94,8 +94,6 @@ class Eviction(ApiModel):
         CelRule(
             rule="self.lowWatermark < self.highWatermark",
             message="lowWatermark must be less than highWatermark",
-            message_expression="'lowWatermark (' + string(self.lowWatermark) + ') must be less than highWatermark ('"
-            " + string(self.highWatermark) + ')'",
             field_path=".lowWatermark",
         ),
     )

@@ -65,27 +65,18 @@ class EngineSpec(ApiModel):
 
 
 class RoleSpec(ApiModel):
-    """One role's scale set (prefill or decode)."""
+    """One role's scale set (prefill or decode). minReplicas <= replicas <= maxReplicas."""
 
     __cel_rules__ = (
         CelRule(
             rule="!has(self.minReplicas) || self.minReplicas <= self.replicas",
             message="minReplicas must be less than or equal to replicas",
-            message_expression="'minReplicas (' + string(self.minReplicas) + ') must be less than or equal to"
-            " replicas (' + string(self.replicas) + ')'",
             field_path=".minReplicas",
         ),
         CelRule(
             rule="!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
             message="replicas must be less than or equal to maxReplicas",
-            message_expression="'replicas (' + string(self.replicas) + ') must be less than or equal to"
-            " maxReplicas (' + string(self.maxReplicas) + ')'",
             field_path=".replicas",
-        ),
-        CelRule(
-            rule="!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
-            message="minReplicas must be less than or equal to maxReplicas",
-            field_path=".minReplicas",
         ),
     )
 

@@ -16,22 +16,24 @@ import math
 import re
 from fractions import Fraction
 
-_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+# Plain (capturing) groups: these patterns end up in API server error messages, keep them readable.
+_NUMBER = r"([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+_NUMBER_NC = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"  # the same, non-capturing, for the parser's named groups
 
 # The full Kubernetes grammar (sign, decimal and binary SI suffixes, exponents),
 # the same as the pattern Kubernetes publishes for resource.Quantity.
 QUANTITY_PATTERN = (
-    rf"^[+-]?{_NUMBER}(?:[KMGTPE]i|[numkMGTPE]|[eE][+-]?{_NUMBER})?$"
+    rf"^[+-]?{_NUMBER}([KMGTPE]i|[numkMGTPE]|[eE][+-]?{_NUMBER})?$"
 )
 
 # Byte sizes: no sign, no sub-unit suffixes (m, u, n), a small non-negative
 # integer exponent. A subset of QUANTITY_PATTERN, so every accepted value is
 # also a valid Kubernetes quantity. The exponent is capped at two digits so a
 # manifest cannot ask Python to build a 10**999999 integer.
-BYTES_PATTERN = rf"^{_NUMBER}(?:[KMGTPE]i|[kMGTPE]|[eE]\+?[0-9]{{1,2}})?$"
+BYTES_PATTERN = rf"^{_NUMBER}([KMGTPE]i|[kMGTPE]|[eE]\+?[0-9]{{1,2}})?$"
 
 _QUANTITY_RE = re.compile(
-    rf"(?P<sign>[+-]?)(?P<number>{_NUMBER})(?:(?P<binary>[KMGTPE]i)|(?P<decimal>[numkMGTPE])|[eE](?P<exp>[+-]?{_NUMBER}))?"
+    rf"(?P<sign>[+-]?)(?P<number>{_NUMBER_NC})(?:(?P<binary>[KMGTPE]i)|(?P<decimal>[numkMGTPE])|[eE](?P<exp>[+-]?{_NUMBER_NC}))?"
 )
 _BYTES_RE = re.compile(BYTES_PATTERN)
 

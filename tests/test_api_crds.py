@@ -74,7 +74,7 @@ def test_schema_carries_ranges_enums_patterns_and_rules() -> None:
     size = spec["tiers"]["properties"]["dram"]["properties"]["bytesPerNode"]
     assert size["x-kubernetes-int-or-string"] is True and size["pattern"].startswith("^")
     assert spec["tiers"]["x-kubernetes-validations"]
-    assert spec["replication"]["default"] == {}
+    assert spec["replication"]["default"] == {"replicas": 1}
     pdd = structural_schema(PDDeployment)["properties"]["spec"]["properties"]
     rules = [r["rule"] for r in pdd["prefill"]["x-kubernetes-validations"]]
     assert any("minReplicas <= self.replicas" in r for r in rules)
