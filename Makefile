@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv tools lint typecheck test demo bench crds clean help
+.PHONY: all venv tools lint typecheck test demo bench bench-deps crds clean help
 
 all: test
 
@@ -46,8 +46,12 @@ test: venv tools lint typecheck
 demo: venv tools
 	$(BIN)/python -m daybreak.devenv.demo
 
-bench: venv tools
+bench: venv tools bench-deps
 	$(BIN)/daybreak bench all
+
+# Mooncake's wheel (the transfer bench anchor) links libibverbs.so.1 even for tcp.
+bench-deps:
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 
 crds: venv
 	$(BIN)/daybreak crds --out crds --docs docs/api.md
