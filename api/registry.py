@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from daybreak.api.base import CustomResource
 from daybreak.api.kvpool import KVPool
+from daybreak.api.node import KVNode
 from daybreak.api.pddeployment import PDDeployment
 
 CRD_KINDS: list[type[CustomResource]] = [
     KVPool,
     PDDeployment,
+    KVNode,
 ]
