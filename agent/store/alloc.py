@@ -8,6 +8,8 @@ extent from a larger bin; neighbours coalesce on free. Sizes are rounded to
 
 from __future__ import annotations
 
+import bisect
+
 ALIGN = 4096
 
 
@@ -26,18 +28,21 @@ class Arena:
         self._by_start: dict[int, int] = {}  # start -> length
         self._by_end: dict[int, int] = {}    # end -> start
         self._bins: dict[int, set[int]] = {}  # bit length of length -> starts
+        self._starts: list[int] = []  # sorted, to refuse a free that overlaps free space
         self._insert(0, size)
 
     def _insert(self, start: int, length: int) -> None:
         self._by_start[start] = length
         self._by_end[start + length] = start
         self._bins.setdefault(length.bit_length(), set()).add(start)
+        bisect.insort(self._starts, start)
         self.free_bytes += length
 
     def _delete(self, start: int) -> int:
         length = self._by_start.pop(start)
         del self._by_end[start + length]
         self._bins[length.bit_length()].discard(start)
+        del self._starts[bisect.bisect_left(self._starts, start)]
         self.free_bytes -= length
         return length
 
@@ -68,8 +73,11 @@ class Arena:
         need = align_up(max(size, 1))
         if start % ALIGN or start < 0 or start + need > self.size:
             return False
-        for s, length in self._by_start.items():
-            if s <= start and start + need <= s + length:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0:
+            s = self._starts[i]
+            length = self._by_start[s]
+            if start + need <= s + length:
                 self._delete(s)
                 if start > s:
                     self._insert(s, start - s)
@@ -81,8 +89,11 @@ class Arena:
     def free(self, start: int, size: int) -> None:
         """Return an extent; coalesces with free neighbours."""
         length = align_up(max(size, 1))
-        if start in self._by_start:
-            raise ValueError(f"double free of extent at {start}")
+        i = bisect.bisect_right(self._starts, start) - 1
+        overlaps_before = i >= 0 and self._starts[i] + self._by_start[self._starts[i]] > start
+        overlaps_after = i + 1 < len(self._starts) and self._starts[i + 1] < start + length
+        if overlaps_before or overlaps_after or start < 0 or start + length > self.size:
+            raise ValueError(f"double free of extent at {start} ({length} bytes)")
         before = self._by_end.get(start)
         if before is not None:
             length += self._delete(before)
