@@ -3,18 +3,21 @@
 ``LocalAgent`` runs ``daybreak agent --standalone`` (optionally inside a
 network namespace), waits for its ``ready`` line and stops it with SIGTERM
 (hand-off, then exit) or SIGKILL (a crash). Segments are named by pool, so
-``cleanup_pool`` removes everything a pool left in /dev/shm.
+``cleanup_pool`` removes everything a pool left in /dev/shm. ``NetnsPair``
+joins two network namespaces with a veth pair for cross-host tests.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -118,3 +121,72 @@ class LocalAgent:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+
+class NetnsPair:
+    """Two network namespaces joined by a veth pair: a stand-in for two hosts on one machine.
+
+    Names are unique per instance and the addresses exist only inside the two
+    namespaces; ``close`` deletes both namespaces (and with them the veth pair).
+    """
+
+    SUBNET = "10.231"
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.names = (f"dbA-{tag}", f"dbB-{tag}")
+        self._veth = (f"dbva{tag}", f"dbvb{tag}")
+        third = int(tag[:2], 16)
+        self.addresses = (f"{self.SUBNET}.{third}.1", f"{self.SUBNET}.{third}.2")
+        self._made: list[str] = []
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be made here (None when they can)."""
+        if os.geteuid() != 0:
+            return "network namespaces need root (ip netns add)"
+        if shutil.which("ip") is None:
+            return "the ip command (iproute2) is not installed"
+        probe = f"dbprobe-{uuid.uuid4().hex[:6]}"
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"ip netns add failed: {made.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return None
+
+    def _ip(self, *args: str) -> None:
+        out = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+
+    def open(self) -> NetnsPair:
+        try:
+            for name in self.names:
+                self._ip("netns", "add", name)
+                self._made.append(name)
+                self._ip("-n", name, "link", "set", "lo", "up")
+            self._ip("link", "add", self._veth[0], "type", "veth", "peer", "name", self._veth[1])
+            for name, veth, address in zip(self.names, self._veth, self.addresses, strict=True):
+                self._ip("link", "set", veth, "netns", name)
+                self._ip("-n", name, "addr", "add", f"{address}/24", "dev", veth)
+                self._ip("-n", name, "link", "set", veth, "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for name in self._made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self._veth[0]], capture_output=True)  # if never moved
+        self._made = []
+
+    def __enter__(self) -> NetnsPair:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def exec_prefix(self, side: int) -> list[str]:
+        """Command prefix running a program inside namespace ``side`` (0 or 1)."""
+        return ["ip", "netns", "exec", self.names[side]]
