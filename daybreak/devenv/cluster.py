@@ -125,6 +125,35 @@ class LocalCluster:
                 proc.wait()
         self._components.clear()
 
+    def restart_apiserver(self, *, downtime: float = 0.0, timeout: float = 60.0) -> None:
+        """Stop kube-apiserver, stay down ``downtime`` seconds, start it again on the same port and wait for /readyz.
+
+        For tests of clients that must ride out an apiserver outage (etcd keeps the data).
+        """
+        index, component = next((i, c) for i, c in enumerate(self._components) if c.name == "kube-apiserver")
+        proc = component.process
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        time.sleep(downtime)
+        self._components.remove(component)
+        restarted = self._spawn(component.name, component.args)
+        # Keep the original position: stop() tears components down newest first.
+        self._components.remove(restarted)
+        self._components.insert(index, restarted)
+
+        def ready() -> bool:
+            with self.api() as api:
+                return api.get("/readyz").status_code == 200
+
+        self._wait("kube-apiserver /readyz after restart", ready, time.monotonic() + timeout)
+
     def pids(self) -> dict[str, int]:
         return {c.name: c.process.pid for c in self._components if c.process is not None}
 

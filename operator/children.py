@@ -1,0 +1,156 @@
+"""The one ownership-and-apply helper every child goes through: labels, owner reference, server-side apply.
+
+Every reconciler builds plain manifests and hands them to ``Applier.apply``:
+it stamps the standard labels and the controller owner reference (so the
+garbage collector removes children with their parent), applies with the
+single field manager ``daybreak-operator`` and ``force=true`` (the operator
+is the authority on the fields it sets; anything else a human or another
+controller set is left alone), counts the outcome and records Events. It
+refuses to write when this process is not the leader any more.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from daybreak.operator import metrics
+from daybreak.operator.events import EventRecorder
+from daybreak.operator.kube import FIELD_MANAGER, KubeClient, KubeError, Manifest, kind_of
+
+logger = logging.getLogger(__name__)
+
+# Label keys (app.kubernetes.io are the recommended labels; daybreak.dev say which parent and role).
+NAME = "app.kubernetes.io/name"
+INSTANCE = "app.kubernetes.io/instance"
+COMPONENT = "app.kubernetes.io/component"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+POOL = "daybreak.dev/pool"
+DEPLOYMENT = "daybreak.dev/deployment"
+ROLE = "daybreak.dev/role"
+MANAGER = FIELD_MANAGER
+
+
+class NotLeader(RuntimeError):
+    """This process lost the Lease: it must not write."""
+
+
+def standard_labels(*, name: str, instance: str, component: str, pool: str | None = None,
+                    deployment: str | None = None, role: str | None = None) -> dict[str, str]:
+    """The label set every child carries (``name`` is the application: daybreak-agent, daybreak-engine, ...)."""
+    labels = {NAME: name, INSTANCE: instance, COMPONENT: component, MANAGED_BY: MANAGER}
+    if pool:
+        labels[POOL] = pool
+    if deployment:
+        labels[DEPLOYMENT] = deployment
+    if role:
+        labels[ROLE] = role
+    return labels
+
+
+def owner_reference(parent: Manifest) -> dict[str, Any]:
+    """A controller owner reference to ``parent`` (blockOwnerDeletion for foreground deletes)."""
+    meta = parent["metadata"]
+    return {"apiVersion": parent["apiVersion"], "kind": parent["kind"], "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+@dataclass
+class ApplyResult:
+    obj: Manifest
+    outcome: str  # created | updated | unchanged
+
+
+def _manager_time(obj: Manifest | None) -> str | None:
+    for entry in ((obj or {}).get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == MANAGER and entry.get("operation") == "Apply":
+            return str(entry.get("time"))
+    return None
+
+
+class Applier:
+    """Applies children of a parent; shared by all reconcilers."""
+
+    def __init__(self, client: KubeClient, *, events: EventRecorder, fence: Callable[[], bool],
+                 cache: Callable[[str, str | None, str], Manifest | None] | None = None) -> None:
+        self.client = client
+        self.events = events
+        self.fence = fence
+        self._cached = cache or (lambda kind, ns, name: None)
+
+    def check_leader(self) -> None:
+        if not self.fence():
+            raise NotLeader("the leader Lease is not held (or not renewed in time); refusing to write")
+
+    async def apply(self, parent: Manifest | None, manifest: Manifest, *, labels: dict[str, str],
+                    owned: bool = True) -> ApplyResult:
+        """Server-side apply ``manifest`` as a child of ``parent`` (namespace and owner taken from it)."""
+        self.check_leader()
+        body = copy.deepcopy(manifest)
+        meta = body.setdefault("metadata", {})
+        kind = kind_of(body)
+        body.setdefault("apiVersion", kind.api_version)
+        if parent is not None and kind.namespaced:
+            meta.setdefault("namespace", parent["metadata"]["namespace"])
+        meta["labels"] = {**(meta.get("labels") or {}), **labels}
+        if parent is not None and owned:
+            meta["ownerReferences"] = [owner_reference(parent)]
+        before = self._cached(kind.kind, meta.get("namespace"), meta["name"])
+        try:
+            obj, created = await self.client.apply(body)
+        except KubeError as exc:
+            metrics.API_ERRORS.labels(status=str(exc.status)).inc()
+            raise
+        if created:
+            outcome = "created"
+        elif before is not None and _manager_time(before) != _manager_time(obj):
+            outcome = "updated"
+        else:
+            outcome = "unchanged"
+        metrics.CHILDREN_APPLIED.labels(kind=kind.kind, outcome=outcome).inc()
+        if parent is not None and outcome != "unchanged":
+            verb = "Created" if created else "Updated"
+            self.events.record(parent, reason=verb, message=f"{verb.lower()} {kind.kind} {meta['name']}")
+        return ApplyResult(obj, outcome)
+
+    async def create_once(self, parent: Manifest, manifest: Manifest, *, labels: dict[str, str]) -> Manifest:
+        """Create ``manifest`` if absent and never modify it afterwards (generated secrets must not rotate)."""
+        self.check_leader()
+        kind = kind_of(manifest)
+        meta = manifest["metadata"]
+        namespace = meta.get("namespace") or parent["metadata"]["namespace"]
+        existing = await self.client.get_or_none(kind, meta["name"], namespace=namespace)
+        if existing is not None:
+            return existing
+        body = copy.deepcopy(manifest)
+        body.setdefault("apiVersion", kind.api_version)
+        body["metadata"] = {**meta, "namespace": namespace, "labels": {**(meta.get("labels") or {}), **labels},
+                            "ownerReferences": [owner_reference(parent)]}
+        try:
+            created = await self.client.create(kind, body, namespace=namespace)
+        except KubeError as exc:
+            if exc.conflict:  # created concurrently (a previous leader): keep theirs
+                return await self.client.get(kind, meta["name"], namespace=namespace)
+            metrics.API_ERRORS.labels(status=str(exc.status)).inc()
+            raise
+        metrics.CHILDREN_APPLIED.labels(kind=kind.kind, outcome="created").inc()
+        self.events.record(parent, reason="Created", message=f"created {kind.kind} {meta['name']}")
+        return created
+
+
+def dns_name(*parts: str, limit: int = 63) -> str:
+    """``parts`` joined by '-'; when longer than ``limit``, the leading parts are cut and a hash of the
+    whole name is inserted, keeping the last part (the role suffix: -agent, -prefill) readable and stable."""
+    parts = tuple(p for p in parts if p)
+    name = "-".join(parts)
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    tail = parts[-1] if len(parts) > 1 and len(parts[-1]) < limit // 2 else ""
+    room = limit - len(digest) - 1 - (len(tail) + 1 if tail else 0)
+    head = name[: len(name) - len(tail) - 1] if tail else name
+    return "-".join(p for p in (head[:room].rstrip("-."), digest, tail) if p)

@@ -1,0 +1,519 @@
+"""The reconcile loop: watch events feed a work queue; workers build, apply and observe each object.
+
+Level-based on purpose. Every trigger (a watch event of a KVPool or a
+PDDeployment, a change of one of their Deployments or DaemonSets, a pool that
+appears or vanishes, the periodic re-sync) only queues the object's key; a
+worker then makes the whole desired state true again from what is there now.
+A lost event, a hand-deleted child or an apiserver outage therefore costs at
+most one re-sync period. kopf provides the watches (with their reconnects and
+back-off); its handlers here never touch the API themselves.
+
+Two reconcile depths: a FULL reconcile re-applies every child (after a spec
+change, a child deletion or edit, a pool change, and on every re-sync); a
+STATUS refresh (after a child's status changed) only recomputes status from
+the cached children. Our own status writes come back as watch events and are
+recognised by their resourceVersion, so they trigger nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NewType
+
+import kopf
+from daybreak.api.kvpool import KVPool
+from daybreak.api.pddeployment import PDDeployment, Role
+from daybreak.operator import deployment as pdd_mod
+from daybreak.operator import metrics
+from daybreak.operator import pool as pool_mod
+from daybreak.operator.children import MANAGED_BY, MANAGER, Applier, NotLeader
+from daybreak.operator.conditions import Condition, merge
+from daybreak.operator.events import WARNING, EventRecorder
+from daybreak.operator.kube import (
+    CLUSTERROLEBINDING,
+    DAEMONSET,
+    DEPLOYMENT,
+    KVNODE,
+    KVPOOL,
+    PDDEPLOYMENT,
+    POD,
+    SECRET,
+    SERVICE,
+    Credentials,
+    KubeClient,
+    KubeError,
+    Manifest,
+)
+from daybreak.operator.settings import OperatorSettings
+from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
+
+POOL = "KVPool"
+PDD = "PDDeployment"
+Namespace = NewType("Namespace", str)
+Key = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def _slim(obj: Manifest) -> Manifest:
+    """A cached child without other managers' managedFields (memory: hundreds of children are cached)."""
+    meta = dict(obj.get("metadata") or {})
+    meta["managedFields"] = [m for m in meta.get("managedFields") or []
+                             if m.get("manager") == MANAGER and m.get("operation") == "Apply"]
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
+            "spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
+
+
+def _controller_owner(obj: Manifest) -> tuple[str, str] | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("apiVersion", "").startswith("daybreak.dev/"):
+            return str(ref.get("kind")), str(ref.get("name"))
+    return None
+
+
+class Controller:
+    """One leadership term's reconciler: caches, queue, workers. Build a fresh one per term."""
+
+    def __init__(self, client: KubeClient, settings: OperatorSettings, *, fence: Callable[[], bool]) -> None:
+        self.client = client
+        self.settings = settings
+        self.events = EventRecorder(client)
+        self.applier = Applier(client, events=self.events, fence=fence, cache=self._cached_child)
+        self.queue: Any = None  # created in start(): it needs the running loop
+        self.pools: dict[tuple[str, str], Manifest] = {}
+        self.children: dict[tuple[str, str, str], Manifest] = {}
+        self.needs_apply: set[Key] = set()
+        self.applied: set[Key] = set()
+        self.own_status_rv: dict[Key, str] = {}
+        self.generations: dict[Key, int] = {}
+        self.pool_of: dict[tuple[str, str], str] = {}  # (ns, pdd) -> pool
+        self.last_reconciled: dict[Key, float] = {}  # monotonic time of the last successful full reconcile
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn workers, the re-sync loop and the event poster (before kopf starts: see main)."""
+        from daybreak.operator.workqueue import WorkQueue
+
+        self.queue = WorkQueue[Key](max_delay=self.settings.max_backoff_seconds)
+        for i in range(self.settings.workers):
+            self._tasks.append(asyncio.create_task(self._worker(), name=f"daybreak worker {i}"))
+        self._tasks.append(asyncio.create_task(self._resync_loop(), name="daybreak resync"))
+        self._tasks.append(asyncio.create_task(self.events.run(), name="daybreak events"))
+
+    async def stop(self) -> None:
+        if self.queue is not None:
+            self.queue.shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # -- kopf wiring ----------------------------------------------------------------------------
+    def registry(self, credentials: Credentials) -> kopf.OperatorRegistry:
+        """A kopf registry whose handlers only feed this controller's queue and caches."""
+        registry = kopf.OperatorRegistry()
+
+        @kopf.on.login(registry=registry)
+        def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+            if credentials.in_cluster:
+                return kopf.login_with_service_account(**kwargs)  # re-reads the projected, rotating token
+            return kopf.ConnectionInfo(
+                server=credentials.server, ca_path=credentials.ca_path, insecure=credentials.insecure,
+                token=credentials.token, scheme="Bearer" if credentials.token else None,
+                certificate_path=credentials.certificate_path, private_key_path=credentials.private_key_path,
+                default_namespace=credentials.default_namespace,
+            )
+
+        @kopf.on.event(KVPOOL.group, KVPOOL.version, KVPOOL.plural, registry=registry)
+        async def _pool(event: kopf.RawEvent, **_: Any) -> None:
+            self.on_pool_event(event.get("type"), dict(event["object"]))
+
+        @kopf.on.event(PDDEPLOYMENT.group, PDDEPLOYMENT.version, PDDEPLOYMENT.plural, registry=registry)
+        async def _pdd(event: kopf.RawEvent, **_: Any) -> None:
+            self.on_pdd_event(event.get("type"), dict(event["object"]))
+
+        # kopf filters labels client-side; these watches are the namespace's Deployments/DaemonSets.
+        @kopf.on.event(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, registry=registry,
+                       labels={MANAGED_BY: MANAGER})
+        async def _deployment(event: kopf.RawEvent, **_: Any) -> None:
+            self.on_child_event(event.get("type"), dict(event["object"]))
+
+        @kopf.on.event(DAEMONSET.group, DAEMONSET.version, DAEMONSET.plural, registry=registry,
+                       labels={MANAGED_BY: MANAGER})
+        async def _daemonset(event: kopf.RawEvent, **_: Any) -> None:
+            self.on_child_event(event.get("type"), dict(event["object"]))
+
+        return registry
+
+    # -- event intake (synchronous, cheap: the watch must never wait) ----------------------------
+    def _in_scope(self, namespace: str) -> bool:
+        return self.settings.namespace is None or namespace == self.settings.namespace
+
+    def on_pool_event(self, type_: str | None, obj: Manifest) -> None:
+        meta = obj.get("metadata") or {}
+        ns, name = meta.get("namespace", ""), meta.get("name", "")
+        if not self._in_scope(ns):
+            return
+        key: Key = (POOL, ns, name)
+        if type_ == "DELETED":
+            self.pools.pop((ns, name), None)
+            self.needs_apply.add(key)
+            self.queue.add(key)
+            self._touch_dependents(ns, name, full=True)
+            return
+        known = (ns, name) in self.pools
+        self.pools[(ns, name)] = obj
+        if meta.get("resourceVersion") == self.own_status_rv.get(key):
+            return  # the echo of our own status write
+        generation = int(meta.get("generation") or 0)
+        if self.generations.get(key) != generation or not known:
+            self.generations[key] = generation
+            self.needs_apply.add(key)
+            self._touch_dependents(ns, name, full=True)
+        self.queue.add(key)
+
+    def on_pdd_event(self, type_: str | None, obj: Manifest) -> None:
+        meta = obj.get("metadata") or {}
+        ns, name = meta.get("namespace", ""), meta.get("name", "")
+        if not self._in_scope(ns):
+            return
+        key: Key = (PDD, ns, name)
+        if type_ == "DELETED":
+            self.pool_of.pop((ns, name), None)
+            for cache in (self.generations, self.own_status_rv, self.last_reconciled):
+                cache.pop(key, None)
+            self.applied.discard(key)
+            return  # the garbage collector removes the children (owner references)
+        self.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
+        if meta.get("resourceVersion") == self.own_status_rv.get(key):
+            return
+        generation = int(meta.get("generation") or 0)
+        if self.generations.get(key) != generation:
+            self.generations[key] = generation
+            self.needs_apply.add(key)
+            self.queue.add(key)
+
+    def on_child_event(self, type_: str | None, obj: Manifest) -> None:
+        meta = obj.get("metadata") or {}
+        ns, name = meta.get("namespace", ""), meta.get("name", "")
+        owner = _controller_owner(obj)
+        if owner is None or not self._in_scope(ns):
+            return
+        kind = str(obj.get("kind") or ("DaemonSet" if owner[0] == POOL else "Deployment"))
+        ckey = (kind, ns, name)
+        parent: Key = (owner[0], ns, owner[1])
+        if type_ == "DELETED":
+            self.children.pop(ckey, None)
+            self.needs_apply.add(parent)  # drift: put it back now, not at the next re-sync
+            self.queue.add(parent)
+            return
+        old = self.children.get(ckey)
+        self.children[ckey] = _slim(obj)
+        if old is not None and (old.get("metadata") or {}).get("generation") != meta.get("generation"):
+            self.needs_apply.add(parent)  # its spec changed: maybe a hand edit, re-assert ours
+        self.queue.add(parent)
+
+    def _touch_dependents(self, ns: str, pool: str, *, full: bool) -> None:
+        for (dns, dname), pname in list(self.pool_of.items()):
+            if dns == ns and pname == pool:
+                key: Key = (PDD, dns, dname)
+                if full:
+                    self.needs_apply.add(key)
+                self.queue.add(key)
+
+    def _cached_child(self, kind: str, ns: str | None, name: str) -> Manifest | None:
+        return self.children.get((kind, ns or "", name))
+
+    # -- workers ----------------------------------------------------------------------------------
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            try:
+                await self.reconcile(key)
+            finally:
+                self.queue.done(key)
+
+    async def reconcile(self, key: Key) -> None:
+        kind, ns, name = key
+        full = key in self.needs_apply or key not in self.applied
+        self.needs_apply.discard(key)
+        started = time.monotonic()
+        result = "success"
+        try:
+            if kind == POOL:
+                result = await self.reconcile_pool(ns, name, full=full)
+            else:
+                result = await self.reconcile_pdd(ns, name, full=full)
+            self.queue.forget(key)
+        except NotLeader:
+            result = "not_leader"
+            logger.warning("reconcile skipped: not the leader kind=%s namespace=%s name=%s", kind, ns, name)
+        except KubeError as exc:
+            result = "error"
+            if full:
+                self.needs_apply.add(key)
+            delay = self.queue.add_rate_limited(key)
+            metrics.API_ERRORS.labels(status=str(exc.status)).inc()
+            logger.warning("reconcile failed kind=%s namespace=%s name=%s status=%s error=%r retry_in=%.1fs",
+                           kind, ns, name, exc.status, exc.message or exc.reason, delay)
+            if not exc.retriable:
+                await self._report_failure(key, f"{exc.method} {exc.path}: {exc.status} {exc.message}")
+        except Exception as exc:  # a bug or an unexpected object: keep the other objects going
+            result = "error"
+            if full:
+                self.needs_apply.add(key)
+            delay = self.queue.add_rate_limited(key)
+            logger.exception("reconcile crashed kind=%s namespace=%s name=%s retry_in=%.1fs",
+                             kind, ns, name, delay)
+            await self._report_failure(key, f"{type(exc).__name__}: {exc}")
+        finally:
+            metrics.RECONCILES.labels(kind=kind, result=result).inc()
+            metrics.RECONCILE_DURATION.labels(kind=kind).observe(time.monotonic() - started)
+
+    async def _report_failure(self, key: Key, message: str) -> None:
+        """Best effort: put the failure where users look (a condition and an Event)."""
+        kind, ns, name = key
+        rk = KVPOOL if kind == POOL else PDDEPLOYMENT
+        try:
+            self.applier.check_leader()
+            body = await self.client.get(rk, name, namespace=ns)
+            status = dict(body.get("status") or {})
+            status["conditions"] = merge(status.get("conditions"), [
+                Condition("Ready", "False", "ReconcileFailed", message[:1000]),
+                Condition("Degraded", "True", "ReconcileFailed", message[:1000]),
+            ], generation=(body.get("metadata") or {}).get("generation"))
+            await self._write_status(key, rk, body, status)
+            self.events.record(body, reason="ReconcileFailed", message=message, type=WARNING)
+        except (KubeError, NotLeader) as exc:
+            logger.debug("could not report failure kind=%s name=%s error=%s", kind, name, exc)
+
+    async def _write_status(self, key: Key, rk: Any, body: Manifest, status: dict[str, Any]) -> Manifest:
+        if status == (body.get("status") or {}):
+            return body
+        self.applier.check_leader()
+        meta = body["metadata"]
+        updated = await self.client.patch_merge(rk, meta["name"], {"status": status}, namespace=meta["namespace"],
+                                                subresource="status")
+        rv = (updated.get("metadata") or {}).get("resourceVersion")
+        if rv:
+            self.own_status_rv[key] = rv
+        return updated
+
+    # -- KVPool -------------------------------------------------------------------------------------
+    async def reconcile_pool(self, ns: str, name: str, *, full: bool) -> str:
+        key: Key = (POOL, ns, name)
+        body = await self.client.get_or_none(KVPOOL, name, namespace=ns)
+        if body is None:
+            await self._delete_cluster_binding(ns, name)
+            self.applied.discard(key)
+            return "gone"
+        self.pools[(ns, name)] = body
+        try:
+            pool = KVPool.from_body(body)
+        except ValidationError as exc:
+            await self._invalid(key, KVPOOL, body, exc)
+            return "invalid"
+        generation = body["metadata"].get("generation")
+        problems: list[Condition] = []
+        if full:
+            desired = pool_mod.build(pool, image=self.settings.image, metrics_port=self.settings.agent_metrics_port)
+            labels = pool_mod.labels_for(pool)
+            if desired.token_secret is not None:
+                await self.applier.create_once(body, desired.token_secret, labels=labels)
+            else:
+                secret = pool_mod.token_secret_name(pool)
+                if await self.client.get_or_none(SECRET, secret, namespace=ns) is None:
+                    problems.append(Condition(
+                        "Ready", "False", "SecretNotFound",
+                        f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
+                        f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
+            for manifest in desired.applied:
+                result = await self.applier.apply(body, manifest, labels=labels)
+                if result.obj.get("kind") == "DaemonSet":
+                    self.children[("DaemonSet", ns, manifest["metadata"]["name"])] = _slim(result.obj)
+            if desired.cluster_binding is not None:
+                await self.applier.apply(None, desired.cluster_binding, labels={}, owned=False)
+            self.applied.add(key)
+            self.last_reconciled[key] = time.monotonic()
+        names = pool_mod.PoolNames(name, ns)
+        ds = self.children.get(("DaemonSet", ns, names.agent))
+        if ds is None:
+            ds = await self.client.get_or_none(DAEMONSET, names.agent, namespace=ns)
+        selector = ",".join(f"{k}={v}" for k, v in pool_mod.selector_for(pool).items())
+        pods = await self.client.list(POD, namespace=ns, label_selector=selector)
+        old_status = body.get("status") or {}
+        status = pool_mod.status(pool, daemonset=ds, pods=pods, reports=await self._agent_reports(pods),
+                                 existing=old_status, generation=generation)
+        if problems:
+            status["conditions"] = merge(status["conditions"], problems, generation=generation)
+        old_ready = {c.get("type"): (c.get("status"), c.get("reason")) for c in old_status.get("conditions") or []}
+        new_ready = {c.get("type"): (c.get("status"), c.get("reason")) for c in status["conditions"]}
+        await self._write_status(key, KVPOOL, body, status)
+        if old_ready != new_ready:
+            self._touch_dependents(ns, name, full=False)  # their Degraded condition follows the pool's
+        return "success"
+
+    async def _agent_reports(self, pods: list[Manifest]) -> list[pool_mod.AgentReport]:
+        """Capacity and use per tier from the KVNode of every node that runs one of the pool's agents."""
+        nodes = {(p.get("spec") or {}).get("nodeName") for p in pods} - {None, ""}
+        if not nodes:
+            return []
+        try:
+            kvnodes = await self.client.list(KVNODE)
+        except KubeError as exc:
+            if exc.status in (403, 404):  # KVNode CRD not installed or not readable: fall back to the spec
+                logger.debug("KVNode reports unavailable status=%s", exc.status)
+                return []
+            raise
+        reports = (pool_mod.AgentReport.from_kvnode(k) for k in kvnodes)
+        return [r for r in reports if r is not None and r.node in nodes]
+
+    async def _delete_cluster_binding(self, ns: str, pool: str) -> None:
+        self.applier.check_leader()
+        if await self.client.delete(CLUSTERROLEBINDING, pool_mod.PoolNames(pool, ns).cluster_binding):
+            logger.info("deleted agent ClusterRoleBinding of vanished pool namespace=%s pool=%s", ns, pool)
+
+    async def sweep_cluster_bindings(self, live_pools: set[tuple[str, str]]) -> None:
+        """Delete agent ClusterRoleBindings whose pool is gone (they cannot carry an owner reference)."""
+        bindings = await self.client.list(CLUSTERROLEBINDING,
+                                          label_selector=f"{MANAGED_BY}={MANAGER},app.kubernetes.io/name="
+                                                         f"{pool_mod.AGENT_APP}")
+        for b in bindings:
+            ref = ((b.get("metadata") or {}).get("annotations") or {}).get("daybreak.dev/pool", "")
+            ns, _, pool = ref.partition("/")
+            if not pool or not self._in_scope(ns) or (ns, pool) in live_pools:
+                continue
+            self.applier.check_leader()
+            await self.client.delete(CLUSTERROLEBINDING, b["metadata"]["name"])
+            logger.info("swept agent ClusterRoleBinding name=%s pool=%s", b["metadata"]["name"], ref)
+
+    # -- PDDeployment ------------------------------------------------------------------------------
+    async def reconcile_pdd(self, ns: str, name: str, *, full: bool) -> str:
+        key: Key = (PDD, ns, name)
+        body = await self.client.get_or_none(PDDEPLOYMENT, name, namespace=ns)
+        if body is None:
+            self.applied.discard(key)
+            return "gone"
+        try:
+            pdd = PDDeployment.from_body(body)
+        except ValidationError as exc:
+            await self._invalid(key, PDDEPLOYMENT, body, exc)
+            return "invalid"
+        generation = body["metadata"].get("generation")
+        pool_name = pdd.spec.pool_ref.name
+        self.pool_of[(ns, name)] = pool_name
+        pool_body = self.pools.get((ns, pool_name))
+        if pool_body is None:
+            pool_body = await self.client.get_or_none(KVPOOL, pool_name, namespace=ns)
+            if pool_body is not None:
+                self.pools[(ns, pool_name)] = pool_body
+        old_status = body.get("status") or {}
+        if pool_body is None:
+            status = pdd_mod.status(pdd, pool=None, workloads={}, revision=None, existing=old_status,
+                                    generation=generation)
+            was: dict[str, Any] = next(
+                (c for c in old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+            if was.get("reason") != "PoolNotFound":
+                self.events.record(body, reason="PoolNotFound", type=WARNING,
+                                   message=f"KVPool {pool_name!r} not found in namespace {ns!r}; waiting for it")
+            await self._write_status(key, PDDEPLOYMENT, body, status)
+            self.needs_apply.add(key)  # apply everything once the pool shows up
+            return "waiting"
+        try:
+            pool = KVPool.from_body(pool_body)
+        except ValidationError as exc:
+            raise RuntimeError(f"KVPool {pool_name!r} cannot be read: {exc.errors()[:1]}") from None
+        names = pdd_mod.DeploymentNames(name)
+        roles = (*pdd_mod.ENGINE_ROLES, Role.ROUTER)
+        rev = old_status.get("revision")
+        if full:
+            desired = pdd_mod.build(pdd, pool, image=self.settings.image)
+            before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+            results = await asyncio.gather(*(
+                self.applier.apply(body, m, labels=pdd_mod.labels_for(pdd, role)) for role, m in desired.applied))
+            for result in results:
+                if result.obj.get("kind") == "Deployment":
+                    meta = result.obj["metadata"]
+                    self.children[("Deployment", ns, meta["name"])] = _slim(result.obj)
+            if not pdd.spec.router.enabled:
+                await self._remove_router(ns, desired.router_names)
+            self._record_changes(body, pdd, before, old_rev=rev, new_rev=desired.revision)
+            rev = desired.revision
+            self.applied.add(key)
+            self.last_reconciled[key] = time.monotonic()
+        workloads = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+        if not pdd.spec.router.enabled:
+            workloads[Role.ROUTER] = None
+        status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
+                                generation=generation)
+        await self._write_status(key, PDDEPLOYMENT, body, status)
+        return "success"
+
+    async def _remove_router(self, ns: str, names: tuple[str, str]) -> None:
+        deployment, service = names
+        self.applier.check_leader()
+        if await self.client.delete(DEPLOYMENT, deployment, namespace=ns):
+            logger.info("deleted router Deployment (router disabled) namespace=%s name=%s", ns, deployment)
+        self.children.pop(("Deployment", ns, deployment), None)
+        await self.client.delete(SERVICE, service, namespace=ns)
+
+    def _record_changes(self, body: Manifest, pdd: PDDeployment, before: dict[Role, Manifest | None], *,
+                        old_rev: str | None, new_rev: str) -> None:
+        for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
+            prev = before.get(role)
+            if prev is None:
+                continue
+            was = int((prev.get("spec") or {}).get("replicas") or 0)
+            now = pdd.spec.router.replicas if role == Role.ROUTER else getattr(pdd.spec, role.value).replicas
+            if role == Role.ROUTER and not pdd.spec.router.enabled:
+                continue
+            if was != now:
+                self.events.record(body, reason="Scaled", message=f"scaled {role.value} from {was} to {now}")
+        if old_rev and old_rev != new_rev:
+            self.events.record(body, reason="RolloutStarted",
+                               message=f"rolling out revision {new_rev} (was {old_rev}); "
+                                       f"kvNamespace {pdd.spec.kv_namespace()}")
+
+    async def _invalid(self, key: Key, rk: Any, body: Manifest, exc: ValidationError) -> None:
+        errors = exc.errors()
+        if errors:
+            where = ".".join(str(p) for p in errors[0]["loc"])
+            message = f"{where}: {errors[0]['msg']}"
+        else:
+            message = str(exc)
+        status = dict(body.get("status") or {})
+        status["conditions"] = merge(status.get("conditions"), [
+            Condition("Ready", "False", "InvalidSpec", message),
+        ], generation=(body.get("metadata") or {}).get("generation"))
+        logger.warning("invalid object kind=%s namespace=%s name=%s error=%r", key[0], key[1], key[2], message)
+        await self._write_status(key, rk, body, status)
+
+    # -- re-sync ------------------------------------------------------------------------------------
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            try:
+                await self.resync()
+            except (KubeError, NotLeader) as exc:
+                logger.warning("resync failed error=%s", exc)
+
+    async def resync(self) -> None:
+        """Queue a full reconcile of every object in scope and sweep orphaned cluster bindings."""
+        ns = self.settings.namespace
+        pools = await self.client.list(KVPOOL, namespace=ns)
+        pdds = await self.client.list(PDDEPLOYMENT, namespace=ns)
+        live: set[tuple[str, str]] = set()
+        for kind, items in ((POOL, pools), (PDD, pdds)):
+            for obj in items:
+                meta = obj["metadata"]
+                key: Key = (kind, meta["namespace"], meta["name"])
+                if kind == POOL:
+                    live.add((meta["namespace"], meta["name"]))
+                self.needs_apply.add(key)
+                self.queue.add(key)
+        await self.sweep_cluster_bindings(live)
+        logger.debug("resync queued pools=%d pddeployments=%d", len(pools), len(pdds))

@@ -1,0 +1,325 @@
+"""What a PDDeployment turns into (prefill, decode and router Deployments and Services) and its status.
+
+Pure functions, like ``pool``: the reconciler builds, applies and observes.
+
+Engines find the pool through environment variables (the contract with the
+engine connectors and ``daybreak sim-engine``; see docs/operator.md):
+``DAYBREAK_POOL_ENDPOINTS`` (the pool's headless Service, host:port, which
+resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (from the pool's
+Secret), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
+preferred first), ``DAYBREAK_ROLE``, ``DAYBREAK_MODEL``,
+``DAYBREAK_MODEL_REVISION``, ``DAYBREAK_KV_LAYOUT`` (JSON) and
+``DAYBREAK_BLOCK_BYTES``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from daybreak.api.kvcompat import EngineKind
+from daybreak.api.kvpool import KVPool, Transport
+from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
+from daybreak.operator import conditions as cond
+from daybreak.operator.children import dns_name, standard_labels
+from daybreak.operator.kube import Manifest
+from daybreak.operator.pool import TOKEN_KEY, PoolNames, token_secret_name
+
+ENGINE_APP = "daybreak-engine"
+ROUTER_APP = "daybreak-router"
+ENGINE_PORT = 8000
+KV_NAMESPACE_ANNOTATION = "daybreak.dev/kv-namespace"
+REVISION_ANNOTATION = "daybreak.dev/revision"
+ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+
+
+@dataclass(frozen=True)
+class DeploymentNames:
+    pdd: str
+
+    def role(self, role: Role) -> str:
+        """Deployment and (headless) Service of a role."""
+        return dns_name(self.pdd, role.value)
+
+    @property
+    def router_service(self) -> str:
+        """The entry point users send requests to."""
+        return dns_name(self.pdd)
+
+
+def labels_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
+    name = pdd.metadata.name or ""
+    app = ROUTER_APP if role == Role.ROUTER else ENGINE_APP
+    return standard_labels(name=app, instance=dns_name(name), component=role.value,
+                           pool=dns_name(pdd.spec.pool_ref.name), deployment=dns_name(name), role=role.value)
+
+
+def selector_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
+    full = labels_for(pdd, role)
+    return {k: full[k] for k in ("daybreak.dev/deployment", "daybreak.dev/role")}
+
+
+def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
+    spec = pdd.spec
+    layout = spec.model.kv_layout
+    pool_names = PoolNames(pool.metadata.name or "", pool.metadata.namespace or "")
+    env: list[dict[str, Any]] = [
+        {"name": "DAYBREAK_ROLE", "value": role.value},
+        {"name": "DAYBREAK_POOL", "value": pool.metadata.name},
+        {"name": "DAYBREAK_POOL_ENDPOINTS", "value": f"{pool_names.service_host()}:{pool.spec.agent.port}"},
+        {"name": "DAYBREAK_POOL_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
+        {"name": "DAYBREAK_KV_NAMESPACE", "value": spec.kv_namespace()},
+        {"name": "DAYBREAK_TRANSPORTS", "value": ",".join(t.value for t in pool.spec.transport.preference)},
+        {"name": "DAYBREAK_MODEL", "value": spec.model.name},
+        {"name": "DAYBREAK_MODEL_REVISION", "value": spec.model.revision},
+        {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
+        {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
+        {"name": "DAYBREAK_ENGINE_PORT", "value": str(ENGINE_PORT)},
+        {"name": "DAYBREAK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "DAYBREAK_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "DAYBREAK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    user = [e.to_dict() for e in spec.engine.env]
+    overridden = {u["name"] for u in user}
+    # The user's variables come last and win on a clash (a deliberate override, e.g. for debugging).
+    return [e for e in env if e["name"] not in overridden] + user
+
+
+def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
+    spec = pdd.spec
+    kind = EngineKind(spec.engine.kind)
+    if kind == EngineKind.SIM:
+        base = ["daybreak", "sim-engine", "--role", role.value]
+    elif kind == EngineKind.VLLM:
+        base = ["vllm", "serve", spec.model.name, "--revision", spec.model.revision, "--port", str(ENGINE_PORT)]
+    else:
+        base = ["python3", "-m", "sglang.launch_server", "--model-path", spec.model.name,
+                "--revision", spec.model.revision, "--port", str(ENGINE_PORT),
+                "--disaggregation-mode", role.value]
+    return base + list(spec.engine.args)
+
+
+def _merge(base: Any, overlay: Any) -> Any:
+    """Deep merge for partial Pod templates: dicts recursively, named lists by ``name``, others replaced."""
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        out = dict(base)
+        for key, value in overlay.items():
+            out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if (isinstance(base, list) and isinstance(overlay, list)
+            and all(isinstance(x, dict) and "name" in x for x in base + overlay)):
+        merged = {x["name"]: x for x in base}
+        order = [x["name"] for x in base]
+        for x in overlay:
+            if x["name"] in merged:
+                merged[x["name"]] = _merge(merged[x["name"]], x)
+            else:
+                merged[x["name"]] = copy.deepcopy(x)
+                order.append(x["name"])
+        return [merged[n] for n in order]
+    return copy.deepcopy(overlay)
+
+
+def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> Manifest:
+    spec = pdd.spec
+    role_spec: RoleSpec = getattr(spec, role.value)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.engine.image or image,
+        "command": engine_command(pdd, role),
+        "env": engine_env(pdd, pool, role),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+    }
+    if role_spec.resources is not None:
+        container["resources"] = role_spec.resources.to_dict()
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    if Transport.SHM in pool.spec.transport.preference:
+        # Same-node zero copy: the agent's DRAM segments live in the host's /dev/shm.
+        pod_spec["volumes"] = [{"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]
+        container["volumeMounts"] = [{"name": "dev-shm", "mountPath": "/dev/shm"}]
+    if role_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
+    template: dict[str, Any] = {
+        "metadata": {"labels": labels_for(pdd, role),
+                     "annotations": {KV_NAMESPACE_ANNOTATION: spec.kv_namespace()}},
+        "spec": pod_spec,
+    }
+    if role_spec.template:
+        template = _merge(template, role_spec.template)
+        # The selector labels are not the user's to change: the Deployment would lose its pods.
+        template["metadata"]["labels"] = {**template["metadata"].get("labels", {}), **labels_for(pdd, role)}
+    return template
+
+
+def router_template(pdd: PDDeployment, *, image: str) -> Manifest:
+    names = DeploymentNames(pdd.metadata.name or "")
+    ns = pdd.metadata.namespace
+    return {
+        "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
+        "spec": {"containers": [{
+            "name": "router",
+            "image": image,
+            "command": ["daybreak", "router", "--port", str(ENGINE_PORT)],
+            "env": [
+                {"name": "DAYBREAK_PREFILL_ENDPOINTS", "value": f"{names.role(Role.PREFILL)}.{ns}.svc:{ENGINE_PORT}"},
+                {"name": "DAYBREAK_DECODE_ENDPOINTS", "value": f"{names.role(Role.DECODE)}.{ns}.svc:{ENGINE_PORT}"},
+                {"name": "DAYBREAK_KV_NAMESPACE", "value": pdd.spec.kv_namespace()},
+                {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
+            ],
+            "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+            "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        }]},
+    }
+
+
+def revision(templates: list[Manifest]) -> str:
+    """Hash of the engine pod templates: changes exactly when a rollout is needed."""
+    return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass
+class DeploymentChildren:
+    applied: list[tuple[Role, Manifest]]  # (role whose labels it carries, manifest), in apply order
+    revision: str
+    router_names: tuple[str, str]  # (Deployment, Service), to delete when the router is disabled
+
+
+def _workload(pdd: PDDeployment, role: Role, name: str, replicas: int, template: Manifest) -> Manifest:
+    strategy = pdd.spec.update_strategy
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_for(pdd, role)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": strategy.max_surge, "maxUnavailable": strategy.max_unavailable}},
+            "template": template,
+        },
+    }
+
+
+def _service(pdd: PDDeployment, role: Role, name: str, *, headless: bool) -> Manifest:
+    spec: dict[str, Any] = {
+        "selector": selector_for(pdd, role),
+        "ports": [{"name": "http", "port": ENGINE_PORT if headless else 80, "targetPort": "http",
+                   "protocol": "TCP"}],
+    }
+    if headless:
+        # The router picks individual engine pods, so it needs every address, not one virtual IP.
+        spec["clusterIP"] = "None"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
+
+
+def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
+    names = DeploymentNames(pdd.metadata.name or "")
+    templates = {role: pod_template(pdd, pool, role, image=image) for role in ENGINE_ROLES}
+    rev = revision([templates[r] for r in ENGINE_ROLES])
+    applied: list[tuple[Role, Manifest]] = []
+    for role in ENGINE_ROLES:
+        template = templates[role]
+        template["metadata"].setdefault("annotations", {})[REVISION_ANNOTATION] = rev
+        role_spec: RoleSpec = getattr(pdd.spec, role.value)
+        applied.append((role, _workload(pdd, role, names.role(role), role_spec.replicas, template)))
+        applied.append((role, _service(pdd, role, names.role(role), headless=True)))
+    router_deploy = names.role(Role.ROUTER)
+    if pdd.spec.router.enabled:
+        applied.append((Role.ROUTER, _workload(pdd, Role.ROUTER, router_deploy, pdd.spec.router.replicas,
+                                               router_template(pdd, image=image))))
+        applied.append((Role.ROUTER, _service(pdd, Role.ROUTER, names.router_service, headless=False)))
+    return DeploymentChildren(applied=applied, revision=rev, router_names=(router_deploy, names.router_service))
+
+
+# -- status -----------------------------------------------------------------------------------
+def role_status(workload: Manifest | None) -> dict[str, int]:
+    st = (workload or {}).get("status") or {}
+    return {"replicas": int(st.get("replicas") or 0), "readyReplicas": int(st.get("readyReplicas") or 0),
+            "updatedReplicas": int(st.get("updatedReplicas") or 0)}
+
+
+def _rolling(workload: Manifest | None, desired: int) -> bool:
+    if workload is None:
+        return True
+    meta, st = workload.get("metadata") or {}, workload.get("status") or {}
+    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return True
+    updated, total = int(st.get("updatedReplicas") or 0), int(st.get("replicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
+    # Like `kubectl rollout status`: done when every pod runs the new template and is available.
+    return updated < desired or total > updated or available < desired
+
+
+def _failure(workload: Manifest | None) -> str | None:
+    for c in ((workload or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            return f"{c.get('reason')}: {c.get('message')}"
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return f"ProgressDeadlineExceeded: {c.get('message')}"
+    return None
+
+
+def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Manifest | None],
+           revision: str | None, existing: dict[str, Any] | None, generation: int | None) -> dict[str, Any]:
+    """The PDDeployment's status; ``pool`` None means the referenced pool does not exist."""
+    old = existing or {}
+    spec = pdd.spec
+    roles = {role: role_status(workloads.get(role)) for role in (*ENGINE_ROLES, Role.ROUTER)}
+    desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas,
+               Role.ROUTER: spec.router.replicas if spec.router.enabled else 0}
+    active = [r for r in (*ENGINE_ROLES, Role.ROUTER) if r != Role.ROUTER or spec.router.enabled]
+    conds: list[cond.Condition] = []
+    pool_name = spec.pool_ref.name
+    if pool is None:
+        conds.append(cond.Condition("Ready", cond.FALSE, "PoolNotFound",
+                                    f"KVPool {pool_name!r} does not exist in namespace {pdd.metadata.namespace!r}; "
+                                    "create it or fix spec.poolRef.name (this recovers by itself)"))
+        conds.append(cond.Condition("Progressing", cond.FALSE, "WaitingForPool",
+                                    f"waiting for KVPool {pool_name!r}"))
+        conds.append(cond.Condition("Degraded", cond.TRUE, "PoolNotFound", f"KVPool {pool_name!r} is missing"))
+    else:
+        short = [f"{r.value} {roles[r]['readyReplicas']}/{desired[r]}" for r in active
+                 if roles[r]["readyReplicas"] < desired[r]]
+        if short:
+            conds.append(cond.Condition("Ready", cond.FALSE, "ReplicasNotReady",
+                                        "ready: " + ", ".join(short)))
+        else:
+            conds.append(cond.Condition("Ready", cond.TRUE, "AllReplicasReady",
+                                        ", ".join(f"{r.value} {desired[r]}" for r in active) + " ready"))
+        rolling = [r.value for r in active if _rolling(workloads.get(r), desired[r])]
+        if rolling:
+            conds.append(cond.Condition("Progressing", cond.TRUE, "RollingOut",
+                                        f"revision {revision} rolling out: {', '.join(rolling)}"))
+        else:
+            conds.append(cond.Condition("Progressing", cond.FALSE, "RolloutComplete",
+                                        f"revision {revision} is rolled out"))
+        failures = [f"{r.value}: {f}" for r in active if (f := _failure(workloads.get(r)))]
+        pool_degraded = cond.find(pool.status.to_dict().get("conditions") if pool.status else None, "Degraded")
+        pool_ready = cond.find(pool.status.to_dict().get("conditions") if pool.status else None, "Ready")
+        if failures:
+            conds.append(cond.Condition("Degraded", cond.TRUE, "WorkloadFailing", "; ".join(failures)))
+        elif pool_degraded and pool_degraded.get("status") == cond.TRUE:
+            conds.append(cond.Condition("Degraded", cond.TRUE, "PoolDegraded",
+                                        f"KVPool {pool_name!r}: {pool_degraded.get('message') or ''}".strip()))
+        elif pool_ready and pool_ready.get("status") == cond.FALSE and pool_ready.get("reason") != "AgentsPending":
+            conds.append(cond.Condition("Degraded", cond.TRUE, "PoolNotReady",
+                                        f"KVPool {pool_name!r}: {pool_ready.get('message') or ''}".strip()))
+        else:
+            conds.append(cond.Condition("Degraded", cond.FALSE, "AsExpected", ""))
+    result = {
+        **{k: v for k, v in old.items() if k not in ("conditions", "observedGeneration", "prefill", "decode",
+                                                     "router", "kvNamespace", "revision")},
+        "observedGeneration": generation,
+        "conditions": cond.merge(old.get("conditions"), conds, generation=generation),
+        "prefill": roles[Role.PREFILL],
+        "decode": roles[Role.DECODE],
+        "router": roles[Role.ROUTER],
+        "kvNamespace": spec.kv_namespace(),
+    }
+    rev = revision if revision is not None else old.get("revision")
+    if rev is not None:
+        result["revision"] = rev
+    return result
