@@ -81,7 +81,7 @@ class BatchHandle:
     After a request fails or times out the bytes of its destination range are undefined.
     """
 
-    __slots__ = ("_callbacks", "_cond", "_lock", "_on_expire", "_remaining", "deadline", "results", "size")
+    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_remaining", "deadline", "results", "size")
 
     def __init__(self, size: int, *, deadline: float, on_expire: Callable[[BatchHandle], None] | None = None) -> None:
         self.size = size
@@ -89,7 +89,10 @@ class BatchHandle:
         self.results = [RequestResult() for _ in range(size)]
         self._remaining = size
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # held until the last request finishes: a plain lock is far cheaper than a Condition,
+        # and batches are created at KV-block rates
+        self._done = threading.Lock()
+        self._done.acquire()
         self._callbacks: list[Callable[[BatchHandle], None]] = []
         self._on_expire = on_expire
 
@@ -107,9 +110,9 @@ class BatchHandle:
             self._remaining -= 1
             last = self._remaining == 0
             if last:
-                self._cond.notify_all()
                 callbacks, self._callbacks = self._callbacks, []
         if last:
+            self._done.release()
             for callback in callbacks:
                 callback(self)
         return True
@@ -142,13 +145,10 @@ class BatchHandle:
         ``timeout_s`` only bounds this call: when it runs out first, the requests keep going
         and the results returned may still contain ``pending`` entries.
         """
-        limit = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
-        with self._lock:
-            while self._remaining:
-                left = limit - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+        if self._remaining:
+            limit = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+            if self._done.acquire(timeout=max(0.0, limit - time.monotonic())):
+                self._done.release()  # let every other waiter through too
         if self._remaining and time.monotonic() >= self.deadline:
             self.expire()
         return self.results

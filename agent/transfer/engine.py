@@ -184,6 +184,8 @@ class _DeadlineMonitor(threading.Thread):
 
     def watch(self, batch: BatchHandle) -> None:
         with self._cond:
+            while self._heap and self._heap[0][2].done():  # keep finished batches from piling up
+                heapq.heappop(self._heap)
             heapq.heappush(self._heap, (batch.deadline, next(self._seq), batch))
             if self._heap[0][2] is batch:
                 self._cond.notify()
@@ -265,6 +267,7 @@ class TransferEngine:
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._monitor = _DeadlineMonitor()
+        self._metric_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._started = False
         self._closed = False
 
@@ -451,8 +454,9 @@ class TransferEngine:
         jobs = [self._job(batch, i, request) for i, request in enumerate(requests)]
         if not jobs:
             return batch
-        self._monitor.watch(batch)
         self._dispatch(jobs)
+        if not batch.done():  # shm batches are already done here and need no watching
+            self._monitor.watch(batch)
         return batch
 
     def transfer(self, requests: Sequence[TransferRequest], *, timeout_s: float | None = None) -> list[RequestResult]:
@@ -533,30 +537,36 @@ class TransferEngine:
 
     # -- reports from transports ----------------------------------------------------------------
     def job_done(self, job: Job) -> None:
-        name = job.chain[job.pos]
-        self.breaker.success((name, job.peer))
-        if job.batch.finish(job.index, Status.COMPLETED, transport=name):
-            job.batch.results[job.index].attempts = job.attempts
-            metrics.REQUESTS.labels(name, job.op.value, "completed").inc()
-            metrics.BYTES.labels(name, job.op.value).inc(job.length)
+        self.jobs_done([job], job.chain[job.pos])
 
     def jobs_done(self, jobs: Sequence[Job], name: str) -> None:
-        """``job_done`` for many jobs of one transport (cheaper metrics for the small-request fast path)."""
-        nbytes = {Op.READ: 0, Op.WRITE: 0}
-        count = {Op.READ: 0, Op.WRITE: 0}
-        peers: set[str] = set()
+        """``job_done`` for many jobs of one transport (one metrics update per batch: cheap for small KV blocks)."""
+        nbytes = [0, 0]
+        count = [0, 0]
+        peer = ""
         for job in jobs:
             if job.batch.finish(job.index, Status.COMPLETED, transport=name):
                 job.batch.results[job.index].attempts = job.attempts
-                nbytes[job.op] += job.length
-                count[job.op] += 1
-            peers.add(job.peer)
-        for peer in peers:
-            self.breaker.success((name, peer))
-        for op in (Op.READ, Op.WRITE):
-            if count[op]:
-                metrics.REQUESTS.labels(name, op.value, "completed").inc(count[op])
-                metrics.BYTES.labels(name, op.value).inc(nbytes[op])
+                slot = job.op is Op.WRITE
+                nbytes[slot] += job.length
+                count[slot] += 1
+            if job.peer != peer:
+                peer = job.peer
+                self.breaker.success((name, peer))
+        for slot in (0, 1):
+            if count[slot]:
+                requests, moved = self._completed_metrics(name, slot)
+                requests.inc(count[slot])
+                moved.inc(nbytes[slot])
+
+    def _completed_metrics(self, name: str, slot: int) -> tuple[Any, Any]:
+        key = (name, slot)
+        children = self._metric_children.get(key)
+        if children is None:
+            op = "write" if slot else "read"
+            children = self._metric_children[key] = (metrics.REQUESTS.labels(name, op, "completed"),
+                                                     metrics.BYTES.labels(name, op))
+        return children
 
     def job_request_failed(self, job: Job, cause: str) -> None:
         """The request itself is bad for the peer (unknown segment, range): no fallback would help."""

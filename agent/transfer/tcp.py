@@ -37,6 +37,7 @@ from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Tr
 log = logging.getLogger("daybreak.transfer.tcp")
 
 MAX_ATTEMPTS = 3
+INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a connection is idle
 CONNECT_TIMEOUT_S = 5.0
 _DRAIN = 1 << 20
 
@@ -183,8 +184,24 @@ class _Peer:
             for job in jobs:
                 self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}")
             return
+        budget = INLINE_SEND_BYTES
         for frame in _slice(jobs, slice_bytes=self.engine.slice_bytes, checksum=self.engine.checksum):
-            self.queue.put(frame)
+            # Small frames go out from the submitting thread when a connection is idle: handing
+            # them to a sender thread costs a thread switch, which is most of a 64 KiB write.
+            cost = frame.nbytes if frame.op is Op.WRITE else 0
+            if cost <= budget and self._send_inline(frame):
+                budget -= cost
+            else:
+                self.queue.put(frame)
+
+    def _send_inline(self, frame: _Frame) -> bool:
+        for conn in self.conns:
+            if conn.alive and conn.send_lock.acquire(blocking=False):
+                try:
+                    return conn.send(frame)
+                finally:
+                    conn.send_lock.release()
+        return False
 
     def _ensure_connections(self, deadline: float) -> None:
         with self.lock:
@@ -291,6 +308,7 @@ class _Conn:
         self.alive = True
         self.inflight: dict[int, _Frame] = {}
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()  # one frame at a time on the wire
         self.header = bytearray(wire.HEADER.size)
         name = f"tcp-{peer.endpoint}"
         self.sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -327,7 +345,6 @@ class _Conn:
             pass
 
     def _send_loop(self) -> None:
-        engine = self.peer.engine
         while self.alive:
             try:
                 # the timeout lets a broken connection's sender notice and exit
@@ -336,27 +353,35 @@ class _Conn:
                 continue
             if frame is None:
                 return
-            if not frame.live():
-                continue  # its batch finished (deadline) while it queued
-            frame_id = next(_Conn._ids)
-            kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
-            flags = wire.FLAG_CRC if engine.checksum else 0
-            extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
-            head = wire.pack_header(kind, frame_id=frame_id, count=len(extents),
-                                    payload_len=frame.nbytes if frame.op is Op.WRITE else 0, flags=flags)
-            buffers: list[Any] = [head + wire.pack_extents(extents)]
-            if frame.op is Op.WRITE:
-                buffers.extend(p.view for p in frame.pieces)
-            with self.lock:
-                if not self.alive:
-                    self.peer.queue.put(frame)  # a live connection takes it
+            with self.send_lock:
+                if not self.send(frame):
                     return
-                self.inflight[frame_id] = frame
-            try:
-                _sendmsg_all(self.sock, buffers)
-            except OSError as exc:
-                self._broken(f"send to {self.peer.endpoint} failed: {exc}")
-                return
+
+    def send(self, frame: _Frame) -> bool:
+        """Send one frame (caller holds ``send_lock``); False when this connection is dead."""
+        if not frame.live():
+            return True  # its batch finished (deadline) while it queued
+        checksum = self.peer.engine.checksum
+        frame_id = next(_Conn._ids)
+        kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
+        extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
+        head = wire.pack_header(kind, frame_id=frame_id, count=len(extents),
+                                payload_len=frame.nbytes if frame.op is Op.WRITE else 0,
+                                flags=wire.FLAG_CRC if checksum else 0)
+        buffers: list[Any] = [head + wire.pack_extents(extents)]
+        if frame.op is Op.WRITE:
+            buffers.extend(p.view for p in frame.pieces)
+        with self.lock:
+            if not self.alive:
+                self.peer.queue.put(frame)  # a live connection takes it
+                return False
+            self.inflight[frame_id] = frame
+        try:
+            _sendmsg_all(self.sock, buffers)
+        except OSError as exc:
+            self._broken(f"send to {self.peer.endpoint} failed: {exc}")
+            return False
+        return True
 
     def _recv_loop(self) -> None:
         header = memoryview(self.header)
