@@ -14,11 +14,11 @@ unknown fields is the API server's job (``kubectl apply`` validates strictly).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "daybreak.dev"
@@ -41,6 +41,9 @@ class CelRule:
     field_path: str | None = None
     message_expression: str | None = None
     reason: str | None = None  # FieldValueInvalid (default), FieldValueRequired, FieldValueForbidden, ...
+    # The same rule in Python, so objects built or parsed in Python obey it too
+    # (tests check that every rule has one and that both sides reject the same manifests).
+    check: Callable[[Any], bool] | None = field(default=None, compare=False, repr=False)
 
     def to_schema(self) -> dict[str, str]:
         out = {"rule": self.rule, "message": self.message}
@@ -87,6 +90,14 @@ class ApiModel(BaseModel):
     )
 
     __cel_rules__: ClassVar[tuple[CelRule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_cel_rules(self) -> Self:
+        for rule in type(self).__cel_rules__:
+            if rule.check is not None and not rule.check(self):
+                where = f"{rule.field_path.lstrip('.')}: " if rule.field_path else ""
+                raise ValueError(f"{where}{rule.message}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: camelCase keys, JSON types, unset optional fields left out (safe for merge patches)."""

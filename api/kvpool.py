@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from daybreak.api.base import ApiModel, CelRule, CRDInfo, CustomResource, PrinterColumn, nested
 from daybreak.api.kube import (
@@ -14,7 +14,7 @@ from daybreak.api.kube import (
     Toleration,
     conditions_field,
 )
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 
 class EvictionPolicy(StrEnum):
@@ -69,6 +69,7 @@ class Tiers(ApiModel):
             " || (has(self.ssd) && self.ssd.enabled)",
             message="at least one of tiers.hbm, tiers.dram, tiers.ssd must be present and enabled",
             reason="FieldValueRequired",
+            check=lambda t: any(tier is not None and tier.enabled for tier in (t.hbm, t.dram, t.ssd)),
         ),
     )
 
@@ -94,6 +95,7 @@ class Eviction(ApiModel):
         CelRule(
             rule="self.lowWatermark < self.highWatermark",
             message="lowWatermark must be less than highWatermark",
+            check=lambda e: e.low_watermark < e.high_watermark,
             field_path=".lowWatermark",
         ),
     )
@@ -106,13 +108,20 @@ class Eviction(ApiModel):
     """Fill fraction eviction frees the tier down to; must be below highWatermark."""
 
 
+def _no_duplicates(items: list[Transport]) -> list[Transport]:
+    seen = {item for i, item in enumerate(items) if item in items[:i]}
+    if seen:
+        raise ValueError(f"duplicate values: {sorted(t.value for t in seen)}")
+    return items
+
+
 DEFAULT_TRANSPORTS = [Transport.SHM, Transport.LINK, Transport.RDMA, Transport.TCP]
 
 
 class TransportSpec(ApiModel):
     """Which data paths agents and clients may use between each other."""
 
-    preference: list[Transport] = Field(
+    preference: Annotated[list[Transport], AfterValidator(_no_duplicates)] = Field(
         default_factory=lambda: list(DEFAULT_TRANSPORTS),
         min_length=1,
         max_length=4,
@@ -150,7 +159,7 @@ class KVPoolSpec(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     """Tolerations for the agent pods."""
     tiers: Tiers
-    """Storage tiers and their sizes."""
+    """Storage tiers and their sizes; at least one must be present and enabled."""
     replication: Replication = nested(Replication)
     """Redundancy of stored blocks."""
     eviction: Eviction = nested(Eviction)

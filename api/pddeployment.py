@@ -49,6 +49,7 @@ class EngineSpec(ApiModel):
         CelRule(
             rule="self.kind == 'sim' || has(self.image)",
             message="image is required unless kind is sim",
+            check=lambda e: e.kind == EngineKind.SIM or e.image is not None,
             field_path=".image",
             reason="FieldValueRequired",
         ),
@@ -71,11 +72,13 @@ class RoleSpec(ApiModel):
         CelRule(
             rule="!has(self.minReplicas) || self.minReplicas <= self.replicas",
             message="minReplicas must be less than or equal to replicas",
+            check=lambda r: r.min_replicas is None or r.min_replicas <= r.replicas,
             field_path=".minReplicas",
         ),
         CelRule(
             rule="!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
             message="replicas must be less than or equal to maxReplicas",
+            check=lambda r: r.max_replicas is None or r.replicas <= r.max_replicas,
             field_path=".replicas",
         ),
     )
@@ -135,6 +138,7 @@ class UpdateStrategy(ApiModel):
             rule="!((self.maxSurge == 0 || self.maxSurge == '0%') && (self.maxUnavailable == 0"
             " || self.maxUnavailable == '0%'))",
             message="maxSurge and maxUnavailable must not both be 0",
+            check=lambda u: not (u.max_surge in (0, "0%") and u.max_unavailable in (0, "0%")),
             field_path=".maxUnavailable",
         ),
     )

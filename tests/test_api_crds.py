@@ -112,3 +112,18 @@ def test_examples_parse_with_the_models(path: Path) -> None:
     model = {m.crd.kind: m for m in CRD_KINDS}[body["kind"]]
     obj = model.from_body(body)
     assert obj.metadata.name
+
+
+def test_every_cel_rule_has_a_python_twin() -> None:
+    from daybreak.api.base import ApiModel
+
+    def models(cls: type[ApiModel]) -> list[type[ApiModel]]:
+        out = [cls]
+        for sub in cls.__subclasses__():
+            out.extend(models(sub))
+        return out
+
+    rules = [(m.__name__, r) for m in models(ApiModel) for r in m.__cel_rules__]
+    assert len(rules) >= 5
+    missing = [(name, r.rule) for name, r in rules if r.check is None]
+    assert not missing, f"CEL rules without a Python check: {missing}"
