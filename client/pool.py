@@ -21,6 +21,7 @@ from daybreak.agent.store import protocol as p
 from daybreak.agent.store.checksum import crc32c
 from daybreak.agent.store.connection import Connection, RemoteError
 from daybreak.agent.store.placement import rank
+from daybreak.agent.store.tiers import populate
 from daybreak.agent.transfer.segment import ShmSegment
 
 log = logging.getLogger("daybreak.client")
@@ -324,6 +325,8 @@ class KVPoolClient:
         seg = self._maps.get(name)
         if seg is None:
             seg = self._maps[name] = ShmSegment.attach(name)
+            # One call maps every page now instead of a fault per 4 KiB page on first copy.
+            populate(seg, 0, seg.size, write=True)
         return seg
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],

@@ -123,7 +123,7 @@ class StoreServer:
 
     def start(self) -> None:
         for target, name in ((self._accept_loop, "store-accept"), (self._heartbeat_loop, "store-heartbeat"),
-                             (self._maintenance_loop, "store-maintenance")):
+                             (self._maintenance_loop, "store-maintenance"), (self.store.dram.prefault, "store-prefault")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
