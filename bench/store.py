@@ -242,7 +242,7 @@ def _process(cmd: list[str], *, ready: str | None = None, timeout_seconds: float
     try:
         if ready is not None:
             deadline = time.monotonic() + timeout_seconds
-            lines = []
+            lines: list[str] = []
             assert proc.stdout is not None
             while time.monotonic() < deadline:
                 line = proc.stdout.readline()

@@ -22,6 +22,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
@@ -42,8 +43,9 @@ MADV_POPULATE_WRITE = 23
 
 def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
     """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
+    mapping: Any = segment.buffer.obj  # the segment's mmap object
     try:
-        segment.buffer.obj.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
+        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
     except (OSError, ValueError, AttributeError):
         return False
     return True
