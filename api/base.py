@@ -14,6 +14,7 @@ unknown fields is the API server's job (``kubectl apply`` validates strictly).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -218,3 +219,18 @@ class CustomResource(ApiModel):
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         """Parse a raw object as the API server or kopf hands it over (camelCase keys, any Mapping)."""
         return cls.model_validate(plain(body))
+
+
+_DNS_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+DNS_LABEL_NAME_RULE = CelRule(
+    rule=f"self.metadata.name.matches('{_DNS_LABEL}')",
+    message="metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter):"
+    " it names the Services created for this object",
+    check=lambda obj: obj.metadata.name is None or re.fullmatch(_DNS_LABEL, obj.metadata.name) is not None,
+)
+"""A root rule for kinds whose name becomes part of Service names (Services require DNS-1035 labels).
+
+No fieldPath: the API server accepts only paths inside the schema, and the
+CRD schema of metadata may not list fields; the message names the field.
+"""

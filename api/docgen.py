@@ -170,7 +170,10 @@ def render(kinds: list[type[CustomResource]]) -> str:
                    f"plural `{info.plural}`, short names {', '.join(f'`{s}`' for s in info.short_names)}; "
                    f"categories {', '.join(f'`{c}`' for c in info.categories)}.")
         shown = ", ".join(c.name.upper() + (" (wide)" if c.priority else "") for c in info.printer_columns)
-        out.append(f"- `kubectl get {info.short_names[0] if info.short_names else info.plural}` columns: {shown}.\n")
+        out.append(f"- `kubectl get {info.short_names[0] if info.short_names else info.plural}` columns: {shown}.")
+        for rule in schema.get("x-kubernetes-validations", []):
+            out.append(f"- Rule: {rule['message']} (`{rule['rule']}`).")
+        out.append("")
         for part in ("spec", "status"):
             if part not in props:
                 continue

@@ -5,7 +5,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
-from daybreak.api.base import ApiModel, CelRule, CRDInfo, CustomResource, PrinterColumn, nested
+from daybreak.api.base import (
+    DNS_LABEL_NAME_RULE,
+    ApiModel,
+    CelRule,
+    CRDInfo,
+    CustomResource,
+    PrinterColumn,
+    nested,
+)
 from daybreak.api.kube import (
     ByteQuantity,
     Condition,
@@ -242,6 +250,8 @@ class KVPool(CustomResource):
             PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
         ),
     )
+
+    __cel_rules__ = (DNS_LABEL_NAME_RULE,)
 
     kind: Literal["KVPool"] = "KVPool"
     """Kind of this object."""

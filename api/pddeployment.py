@@ -5,7 +5,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar, Literal
 
-from daybreak.api.base import ApiModel, CelRule, CRDInfo, CustomResource, PrinterColumn, nested
+from daybreak.api.base import (
+    DNS_LABEL_NAME_RULE,
+    ApiModel,
+    CelRule,
+    CRDInfo,
+    CustomResource,
+    PrinterColumn,
+    nested,
+)
 from daybreak.api.kube import (
     Condition,
     EnvVar,
@@ -245,6 +253,8 @@ class PDDeployment(CustomResource):
             PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
         ),
     )
+
+    __cel_rules__ = (DNS_LABEL_NAME_RULE,)
 
     kind: Literal["PDDeployment"] = "PDDeployment"
     """Kind of this object."""

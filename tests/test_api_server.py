@@ -77,7 +77,7 @@ def _variant(base: dict[str, Any], name: str, edits: dict[str, Any]) -> dict[str
     out = copy.deepcopy(base)
     out["metadata"] = {"name": name}
     for dotted, value in edits.items():
-        node = out["spec"]
+        node = out if dotted.startswith("metadata.") else out["spec"]
         *parents, leaf = dotted.split(".")
         for key in parents:
             node = node.setdefault(key, {})
@@ -126,6 +126,8 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("pool-bad-resource-quantity", POOL, {"agent.resources": {"limits": {"memory": "8 GB"}}},
      ["spec.agent.resources.limits.memory"]),
     ("pool-unknown-field", POOL, {"tierz": {}}, ["spec.tierz", "unknown field"]),
+    ("pool-name-starts-with-digit", POOL, {"metadata.name": "1pool"}, ["metadata.name must be a DNS-1035 label"]),
+    ("pdd-name-with-dot", PDD, {"metadata.name": "a.b"}, ["metadata.name must be a DNS-1035 label"]),
     ("pdd-missing-poolref", PDD, {"poolRef": DELETE}, ["spec.poolRef", "Required value"]),
     ("pdd-empty-pool-name", PDD, {"poolRef": {"name": ""}}, ["spec.poolRef.name"]),
     ("pdd-min-above-replicas", PDD, {"prefill": {"replicas": 2, "minReplicas": 3}},
@@ -164,7 +166,8 @@ def test_invalid_manifest_is_rejected_naming_the_field(api: Api, case: str, base
     assert proc.returncode != 0, f"accepted: {message}"
     for fragment in expected:
         assert fragment in message, f"{fragment!r} not in: {message}"
-    assert "NotFound" in api.kubectl("get", "-n", NS, manifest["kind"].lower(), case, check=False).stderr
+    name = manifest["metadata"]["name"]
+    assert "NotFound" in api.kubectl("get", "-n", NS, manifest["kind"].lower(), name, check=False).stderr
 
 
 # Python parses leniently on purpose (an older operator must read newer objects): unknown fields are dropped.
