@@ -36,7 +36,7 @@ snake_case attribute names (`spec.tiers.dram.bytes_per_node`), the objects use c
   exponent `1e9`). Negative values and sub-byte suffixes (`m`, `u`, `n`) are rejected. The schema pattern is
   `@BYTES_PATTERN@`; the same grammar is parsed in Python by `daybreak.api.parse_bytes` (fractions round up,
   as `resource.Quantity.Value()` does). The printer columns show a size as written; a size written as a bare
-  integer shows as `<none>` there (the column is a string column).
+  integer shows as an empty cell there (the column is a string column).
 - **Status** is written by the operator through the status subresource. The `status` schema keeps unknown
   fields (`x-kubernetes-preserve-unknown-fields: true`): without it the API server would prune the fields kopf
   writes under `status` and kopf would fail with "Patching failed with inconsistencies". Known status fields are
@@ -94,6 +94,12 @@ def _type_name(node: dict[str, Any]) -> str:
     return str(kind)
 
 
+def _bounds(what: str, low: int | None, high: int | None) -> str:
+    if high is None:
+        return f"{what} >= {low}"
+    return f"{what} {low or 0}..{high}"
+
+
 def _constraints(node: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if "enum" in node:
@@ -104,9 +110,9 @@ def _constraints(node: dict[str, Any]) -> list[str]:
         hi = "" if high is None else f" {'<' if node.get('exclusiveMaximum') else '<='} {high}"
         out.append(f"{lo}x{hi}")
     if "minLength" in node or "maxLength" in node:
-        out.append(f"length {node.get('minLength', 0)}..{node.get('maxLength', 'unbounded')}")
+        out.append(_bounds("length", node.get("minLength"), node.get("maxLength")))
     if "minItems" in node or "maxItems" in node:
-        out.append(f"items {node.get('minItems', 0)}..{node.get('maxItems', 'unbounded')}")
+        out.append(_bounds("items", node.get("minItems"), node.get("maxItems")))
     if node.get("x-kubernetes-list-type") == "set":
         out.append("no duplicates")
     if node.get("x-kubernetes-list-type") == "map":
