@@ -60,8 +60,8 @@ def _size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="64K,1M,16M", help="block sizes (default: 64K,1M,16M)")
     parser.add_argument("--batches", default="1,32", help="requests per batch (default: 1,32)")
-    parser.add_argument("--seconds", type=float, default=0.4, help="minimum time per measurement round")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each side counts")
+    parser.add_argument("--seconds", type=float, default=0.3, help="minimum time per measurement round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each side counts")
     parser.add_argument("--transports", default="tcp,shm", help="ours to measure (default: tcp,shm)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake comparison")
     parser.add_argument("--tcp-connections", type=int, default=2)

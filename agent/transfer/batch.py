@@ -8,10 +8,18 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from daybreak.agent.transfer.engine import RemoteSegment
+
+
+class Pump(Protocol):
+    """A transport connection that can read its answers in a waiting caller's thread."""
+
+    def pump(self, batch: BatchHandle) -> None: ...
+
+    def kick(self) -> None: ...
 
 
 class Op(enum.Enum):
@@ -81,7 +89,7 @@ class BatchHandle:
     After a request fails or times out the bytes of its destination range are undefined.
     """
 
-    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_remaining", "deadline", "results", "size")
+    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_pumps", "_remaining", "deadline", "results", "size")
 
     def __init__(self, size: int, *, deadline: float, on_expire: Callable[[BatchHandle], None] | None = None) -> None:
         self.size = size
@@ -94,6 +102,7 @@ class BatchHandle:
         self._done = threading.Lock()
         self._done.acquire()
         self._callbacks: list[Callable[[BatchHandle], None]] = []
+        self._pumps: list[Pump] | None = None
         self._on_expire = on_expire
 
     # -- completion, called by the engine and transports -------------------------
@@ -133,11 +142,22 @@ class BatchHandle:
 
     # -- caller side -------------------------------------------------------------------
     def done(self) -> bool:
+        if self._remaining and self._pumps:
+            self._kick()
         return self._remaining == 0
+
+    def settled(self) -> bool:
+        """``done`` without side effects, for the engine's own threads."""
+        return self._remaining == 0
+
+    def _kick(self) -> None:
+        """Nobody is going to pump: let the transports' own threads read the answers now."""
+        for pump in self._pumps or ():
+            pump.kick()
 
     @property
     def ok(self) -> bool:
-        return self.done() and all(r.status is Status.COMPLETED for r in self.results)
+        return self.settled() and all(r.status is Status.COMPLETED for r in self.results)
 
     def wait(self, timeout_s: float | None = None) -> list[RequestResult]:
         """Block until every request has finished or the batch deadline passed (then they time out).
@@ -145,6 +165,14 @@ class BatchHandle:
         ``timeout_s`` only bounds this call: when it runs out first, the requests keep going
         and the results returned may still contain ``pending`` entries.
         """
+        if self._remaining and self._pumps:
+            for pump in self._pumps:
+                if timeout_s is None:
+                    # read our own answers instead of waiting for a transport thread to hand them
+                    # over; a pump returns at the latest when the deadline monitor shuts its connection
+                    pump.pump(self)
+                else:
+                    pump.kick()
         if self._remaining:
             limit = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
             if self._done.acquire(timeout=max(0.0, limit - time.monotonic())):
@@ -153,13 +181,25 @@ class BatchHandle:
             self.expire()
         return self.results
 
+    def add_pump(self, pump: Pump) -> None:
+        """Let ``wait`` drive a transport's receive path for this batch in the caller's thread."""
+        if self._pumps is None:
+            self._pumps = [pump]
+        elif pump not in self._pumps:
+            self._pumps.append(pump)
+
     def add_done_callback(self, callback: Callable[[BatchHandle], None]) -> None:
         """Call ``callback(handle)`` once every request has finished (at once if already done)."""
         with self._lock:
             if self._remaining:
                 self._callbacks.append(callback)
-                return
-        callback(self)
+                pending = True
+            else:
+                pending = False
+        if pending:
+            self._kick()
+        else:
+            callback(self)
 
     async def wait_async(self) -> list[RequestResult]:
         """The asyncio form of ``wait``; the deadline still applies."""

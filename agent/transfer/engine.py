@@ -181,13 +181,16 @@ class _DeadlineMonitor(threading.Thread):
         self._heap: list[tuple[float, int, BatchHandle]] = []
         self._seq = itertools.count()
         self._stopped = False
+        self._wake_at = float("inf")
 
     def watch(self, batch: BatchHandle) -> None:
         with self._cond:
-            while self._heap and self._heap[0][2].done():  # keep finished batches from piling up
+            while self._heap and self._heap[0][2].settled():  # keep finished batches from piling up
                 heapq.heappop(self._heap)
             heapq.heappush(self._heap, (batch.deadline, next(self._seq), batch))
-            if self._heap[0][2] is batch:
+            # wake the thread only if it sleeps past this deadline: with one timeout for every
+            # batch (the usual case) it never needs waking, which saves a thread switch per batch
+            if batch.deadline < self._wake_at:
                 self._cond.notify()
 
     def stop(self) -> None:
@@ -199,11 +202,13 @@ class _DeadlineMonitor(threading.Thread):
         while True:
             with self._cond:
                 while not self._stopped:
-                    while self._heap and self._heap[0][2].done():
+                    while self._heap and self._heap[0][2].settled():
                         heapq.heappop(self._heap)
                     if self._heap and self._heap[0][0] <= time.monotonic():
                         break
+                    self._wake_at = self._heap[0][0] if self._heap else float("inf")
                     self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                    self._wake_at = 0.0  # awake: watch() need not notify
                 if self._stopped:
                     return
                 _, _, batch = heapq.heappop(self._heap)
@@ -455,7 +460,7 @@ class TransferEngine:
         if not jobs:
             return batch
         self._dispatch(jobs)
-        if not batch.done():  # shm batches are already done here and need no watching
+        if not batch.settled():  # shm batches are already done here and need no watching
             self._monitor.watch(batch)
         return batch
 
