@@ -9,6 +9,7 @@ the end of the session; their logs stay under pytest's basetemp for triage.
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import pytest
 
 from daybreak.devenv import tools

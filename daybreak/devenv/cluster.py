@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -159,12 +160,9 @@ class LocalCluster:
 
     def api(self) -> httpx.Client:
         """An httpx client authenticated as cluster admin."""
-        return httpx.Client(
-            base_url=self.server,
-            verify=str(self.pki.ca_cert),
-            cert=(str(self.pki.admin_cert), str(self.pki.admin_key)),
-            timeout=30.0,
-        )
+        context = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+        context.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
+        return httpx.Client(base_url=self.server, verify=context, timeout=30.0)
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -311,6 +309,7 @@ class LocalCluster:
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
             f"--server-address=127.0.0.1:{free_port()}", "--node-ip=10.0.1.1", "--cidr=10.0.2.0/24",
             "--node-lease-duration-seconds=40",
+            *(f"--config={stage}" for stage in sorted(tools.share_dir("kwok").glob("*.yaml"))),
         ])
 
 

@@ -70,7 +70,8 @@ def _state_file(directory: Path) -> Path:
 
 def _read_state(directory: Path) -> dict[str, Any] | None:
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        return json.loads(_state_file(directory).read_text())  # type: ignore[no-any-return]
+        state: dict[str, Any] = json.loads(_state_file(directory).read_text())
+        return state
     return None
 
 

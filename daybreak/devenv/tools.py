@@ -83,8 +83,16 @@ def find(name: str) -> Path:
     return path
 
 
+def share_dir(tool_name: str) -> Path:
+    """Where a tool's data files (``GoTool.data_files``) live once built."""
+    return cache_dir() / TOOLS[tool_name].key / "share"
+
+
 def _needs_build(tool: GoTool) -> bool:
-    return any(_override(b) is None and not (_built(tool) / b).is_file() for b in tool.binaries.values())
+    missing_data = any(not (share_dir(tool.name) / Path(f).name).is_file() for f in tool.data_files)
+    return missing_data or any(
+        _override(b) is None and not (_built(tool) / b).is_file() for b in tool.binaries.values()
+    )
 
 
 def ensure(names: Iterable[str] | None = None, *, progress: Progress = print) -> dict[str, Path]:
@@ -157,6 +165,11 @@ def _write_wrapper(tool: GoTool, src: Path) -> None:
     go = _go()
     info = json.loads(_run([go, "mod", "download", "-json", f"{tool.module}@{tool.version}"], cwd=src))
     gomod = Path(info["GoMod"]).read_text()
+    if tool.data_files:
+        share = share_dir(tool.name)
+        share.mkdir(parents=True, exist_ok=True)
+        for rel in tool.data_files:
+            shutil.copyfile(Path(info["Dir"]) / rel, share / Path(rel).name)
     go_line = next((ln for ln in gomod.splitlines() if ln.startswith("go ")), "go 1.26")
     replaces = wrapper_replaces(tool, gomod)
     text = [f"module daybreak.dev/tools/{tool.name}", "", go_line, "", f"require {tool.module} {tool.version}", ""]
@@ -188,7 +201,8 @@ def build(tool: GoTool, *, progress: Progress = print) -> Path:
         cmd += list(tool.binaries)
     proc = subprocess.Popen(cmd, cwd=src, env=_go_env(), stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    compiled, last_report, tail = 0, time.monotonic(), []
+    compiled, last_report = 0, time.monotonic()
+    tail: list[str] = []
     for line in proc.stderr:
         compiled += 1
         tail = [*tail[-40:], line.rstrip()]

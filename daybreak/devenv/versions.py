@@ -22,6 +22,8 @@ class GoTool:
     # (kubernetes' staging modules are published as v0.<minor>.<patch>).
     local_replace_version: str | None = None
     ldflags: tuple[str, ...] = field(default_factory=tuple)
+    # Files of the tool's own module copied next to its binaries (into ``share/``).
+    data_files: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def key(self) -> str:
@@ -67,6 +69,14 @@ TOOLS: dict[str, GoTool] = {
         module="sigs.k8s.io/kwok",
         version="v0.8.0",
         binaries={"sigs.k8s.io/kwok/cmd/kwok": "kwok"},
+        # The stages kwok plays: nodes become Ready and renew Leases, pods become Running.
+        data_files=(
+            "kustomize/stage/node/fast/node-initialize.yaml",
+            "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+            "kustomize/stage/pod/fast/pod-ready.yaml",
+            "kustomize/stage/pod/fast/pod-complete.yaml",
+            "kustomize/stage/pod/fast/pod-delete.yaml",
+        ),
     ),
     "helm": GoTool(
         name="helm",
