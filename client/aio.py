@@ -44,9 +44,11 @@ class AsyncKVPoolClient:
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *, pin_seconds: int = 0) -> list[int]:
+    async def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *, pin_seconds: int = 0,
+                        tier: Literal["dram", "hbm"] = "dram") -> list[int]:
         """See ``KVPoolClient.batch_put``: copies written per key."""
-        result: list[int] = await self._run(self._client.batch_put, keys, buffers, pin_seconds=pin_seconds)
+        result: list[int] = await self._run(self._client.batch_put, keys, buffers, pin_seconds=pin_seconds,
+                                            tier=tier)
         return result
 
     async def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:

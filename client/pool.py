@@ -87,11 +87,16 @@ class KVPoolClient:
 
     # -- public API ---------------------------------------------------------------------------------
 
-    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *, pin_seconds: int = 0) -> list[int]:
+    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *, pin_seconds: int = 0,
+                  tier: Literal["dram", "hbm"] = "dram") -> list[int]:
         """Store ``buffers[i]`` under ``keys[i]``; returns the copies written per key (0 = not stored).
 
         ``pin_seconds`` soft-pins the blocks against eviction for that long (hot prefixes).
+        ``tier="hbm"`` asks agents with an HBM tier to keep the blocks in device memory
+        (others, or a full HBM tier, keep them in DRAM).
         """
+        if tier not in ("dram", "hbm"):
+            raise ValueError(f"tier must be 'dram' or 'hbm', got {tier!r}")
         self._check(keys, buffers)
         views = [_view(b, i, writable=False) for i, b in enumerate(buffers)]
         checksums = [crc32c(v) for v in views]
@@ -114,7 +119,7 @@ class KVPoolClient:
             for agent, idxs in groups.items():
                 for chunk in self._chunks(idxs, [len(v) for v in views]):
                     statuses = self._put_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk],
-                                               [checksums[i] for i in chunk], pin_seconds)
+                                               [checksums[i] for i in chunk], pin_seconds, tier)
                     for i, status in zip(chunk, statuses, strict=True):
                         if status == p.Status.OK:
                             copies[i] += 1
@@ -330,9 +335,10 @@ class KVPoolClient:
         return seg
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
-                   pin_seconds: int) -> list[p.Status | None]:
+                   pin_seconds: int, tier: str) -> list[p.Status | None]:
         def tcp(conn: Connection) -> list[p.Status]:
-            return [i.status for i in conn.put(keys, views, checksums, pin_seconds=pin_seconds)]
+            return [i.status for i in conn.put(keys, views, checksums, pin_seconds=pin_seconds,
+                                               tier=1 if tier == "hbm" else 0)]
 
         def shm(conn: Connection) -> list[p.Status]:
             reply = conn.alloc(keys, [len(v) for v in views], checksums, pin_seconds=pin_seconds)
@@ -348,7 +354,8 @@ class KVPoolClient:
                     for i, c in zip(reply.blocks, committed, strict=True)]
 
         self._connect_quietly(agent)
-        statuses = self._call(agent, shm if self._local.get(agent) else tcp)
+        # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent.
+        statuses = self._call(agent, shm if self._local.get(agent) and tier == "dram" else tcp)
         if statuses is None:
             return [None] * len(keys)
         if p.Status.LEAVING in statuses:

@@ -184,8 +184,11 @@ class BlockStore:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def acquire(self, keys: list[str]) -> list[Block | None]:
-        """Pin blocks for reading (promoting SSD hits to DRAM); pair with ``release``."""
+    def acquire(self, keys: list[str], *, count: bool = True) -> list[Block | None]:
+        """Pin blocks for reading (promoting SSD hits to DRAM); pair with ``release``.
+
+        ``count=False`` leaves hit/miss metrics to the caller (see ``record``).
+        """
         out: list[Block | None] = []
         with self.lock:
             for key in keys:
@@ -198,16 +201,23 @@ class BlockStore:
                         block = self._stage(block)
                     elif not promoted:
                         block = None
+                if count:
+                    self.record(block)
                 if block is None:
-                    self.metrics.misses.inc()
                     out.append(None)
                     continue
-                self.metrics.hits.labels(tier=block.tier).inc()
-                self.metrics.bytes_out.labels(tier=block.tier).inc(block.size)
                 block.readers += 1
                 self.policies[block.tier].touch(key)
                 out.append(block)
         return out
+
+    def record(self, block: Block | None) -> None:
+        """Count one read: a hit in the block's tier, or a miss."""
+        if block is None:
+            self.metrics.misses.inc()
+        else:
+            self.metrics.hits.labels(tier=block.tier).inc()
+            self.metrics.bytes_out.labels(tier=block.tier).inc(block.size)
 
     def release(self, blocks: Iterable[Block | None]) -> None:
         with self.lock:

@@ -477,9 +477,11 @@ class StoreServer:
             self.store.release(blocks)
 
     def _locate(self, conn: socket.socket, rid: int, req: p.KeysRequest) -> None:
-        blocks = self.store.acquire(req.keys)
+        blocks = self.store.acquire(req.keys, count=False)
         infos: list[p.BlockInfo] = []
         for block in blocks:
+            if block is None or block.tier == "dram":
+                self.store.record(block)  # others are counted by the GET that fetches them
             if block is None:
                 infos.append(p.BlockInfo(p.Status.MISS))
             elif block.tier != "dram":
