@@ -49,9 +49,12 @@ demo: venv tools
 bench: venv tools bench-deps
 	$(BIN)/daybreak bench all
 
-# Mooncake's wheel (the transfer bench anchor) links libibverbs.so.1 even for tcp.
+# Mooncake's wheel (the transfer bench anchor) links libibverbs.so.1 even for tcp; the store
+# bench also runs Debian's redis-server and the bench extra (redis client, Mooncake Store).
 bench-deps:
 	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	@$(BIN)/python -c 'import redis, mooncake.store' 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[test,bench]'
 
 crds: venv
 	$(BIN)/daybreak crds --out crds --docs docs/api.md
