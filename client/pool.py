@@ -56,11 +56,13 @@ class KVPoolClient:
     namespaces never collide. ``replicas``: copies written per block (default: the pool's setting).
     ``transport``: ``"auto"`` uses shared memory with same-node agents, ``"tcp"`` never does.
     ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
+    ``local_first``: write the first copy to this node's agent (the first endpoint reached through
+    shared memory) and let the key's home record where it is; readers elsewhere follow that record.
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
-                 verify: bool = True) -> None:
+                 verify: bool = True, local_first: bool = True) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -75,6 +77,7 @@ class KVPoolClient:
         self._transport = transport
         self._timeout = timeout_seconds
         self._verify = verify
+        self._local_first = local_first
         self._conns: dict[str, Connection] = {}
         self._local: dict[str, bool] = {}
         self._down: dict[str, float] = {}
@@ -104,22 +107,27 @@ class KVPoolClient:
         copies = [0] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
         live = self._live()
-        order = [rank(k, live) for k in wire]
+        homes = [rank(k, live) for k in wire]
+        local = self._local_agent(live) if self._local_first else None
+        # Local-first: the first copy goes to this node's agent; the key's home records where it is.
+        order = [[local, *(a for a in h if a != local)] if local and local not in h[:self.replicas] else h
+                 for h in homes]
         for _ in range(max(len(live), 1)):
-            groups: dict[str, list[int]] = {}
+            groups: dict[tuple[str, bool], list[int]] = {}
             for i in range(len(keys)):
                 need = self.replicas - copies[i]
                 if need <= 0:
                     continue
                 for agent in [a for a in order[i] if a not in tried[i] and not self._is_down(a)][:need]:
-                    groups.setdefault(agent, []).append(i)
+                    groups.setdefault((agent, agent != homes[i][0]), []).append(i)
                     tried[i].add(agent)
             if not groups:
                 break
-            for agent, idxs in groups.items():
+            for (agent, away), idxs in groups.items():
                 for chunk in self._chunks(idxs, [len(v) for v in views]):
                     statuses = self._put_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk],
-                                               [checksums[i] for i in chunk], pin_seconds, tier)
+                                               [checksums[i] for i in chunk], pin_seconds, tier,
+                                               flags=p.FLAG_RECORD if away else 0)
                     for i, status in zip(chunk, statuses, strict=True):
                         if status == p.Status.OK:
                             copies[i] += 1
@@ -138,20 +146,28 @@ class KVPoolClient:
         live = self._live()
         order = [rank(k, live) for k in wire]
         tried: list[set[str]] = [set() for _ in keys]
+        redirect: dict[int, str] = {}  # key index -> agent the home says holds it
         pending = list(range(len(keys)))
-        for _ in range(max(len(live), 1)):
-            groups: dict[str, list[int]] = {}
+        for _ in range(max(len(live), 1) + 1):
+            groups: dict[tuple[str, bool], list[int]] = {}
             for i in pending:
+                target = redirect.pop(i, None)
+                if target is not None and target not in tried[i] and not self._is_down(target):
+                    groups.setdefault((target, False), []).append(i)
+                    tried[i].add(target)
+                    continue
                 candidates = [a for a in order[i] if a not in tried[i] and not self._is_down(a)]
                 if candidates:
-                    groups.setdefault(candidates[0], []).append(i)
+                    # The first reachable agent in rank order is the key's home: it may pull the block in.
+                    groups.setdefault((candidates[0], True), []).append(i)
                     tried[i].add(candidates[0])
             if not groups:
                 break
             pending = []
-            for agent, idxs in groups.items():
+            for (agent, home), idxs in groups.items():
                 for chunk in self._chunks(idxs, [len(v) for v in views]):
-                    infos = self._get_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk])
+                    infos = self._get_group(agent, [wire[i] for i in chunk], [views[i] for i in chunk],
+                                            flags=p.FLAG_PULL if home else 0)
                     if infos is None:
                         pending += chunk  # agent unreachable: ask the next replica
                         continue
@@ -165,6 +181,9 @@ class KVPoolClient:
                                 results[i] = info.size
                         elif info.status == p.Status.TOO_SMALL:
                             too_small.append(f"{keys[i]!r} needs {info.size} bytes, buffers[{i}] has {len(views[i])}")
+                        elif info.status == p.Status.REDIRECT and info.where:
+                            redirect[i] = self._agent_at(info.where)
+                            pending.append(i)
                     if bad:
                         log.warning("event=checksum_mismatch agent=%s keys=%d action=reported", agent, len(bad))
                         self._call(agent, lambda c, bad=bad: c.report(bad))
@@ -241,6 +260,22 @@ class KVPoolClient:
             out[-1].append(i)
             total += sizes[i]
         return out
+
+    def _local_agent(self, live: list[str]) -> str | None:
+        """This node's agent: the first endpoint given that shares our /dev/shm."""
+        for endpoint in self._endpoints:
+            agent = self._agent_at(endpoint)
+            if agent in live and not self._is_down(agent):
+                self._connect_quietly(agent)
+                if self._local.get(agent):
+                    return agent
+        return None
+
+    def _agent_at(self, address: str) -> str:
+        for agent, addr in self._members.items():
+            if addr == address:
+                return agent
+        return address
 
     def _is_down(self, agent: str) -> bool:
         until = self._down.get(agent)
@@ -335,10 +370,10 @@ class KVPoolClient:
         return seg
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
-                   pin_seconds: int, tier: str) -> list[p.Status | None]:
+                   pin_seconds: int, tier: str, *, flags: int = 0) -> list[p.Status | None]:
         def tcp(conn: Connection) -> list[p.Status]:
             return [i.status for i in conn.put(keys, views, checksums, pin_seconds=pin_seconds,
-                                               tier=1 if tier == "hbm" else 0)]
+                                               tier=1 if tier == "hbm" else 0, flags=flags)]
 
         def shm(conn: Connection) -> list[p.Status]:
             reply = conn.alloc(keys, [len(v) for v in views], checksums, pin_seconds=pin_seconds)
@@ -349,7 +384,7 @@ class KVPoolClient:
             except BaseException:
                 conn.commit(reply.lease_id, abort=True)
                 raise
-            committed = conn.commit(reply.lease_id)
+            committed = conn.commit(reply.lease_id, flags=flags)
             return [i.status if c.status == p.Status.OK else c.status
                     for i, c in zip(reply.blocks, committed, strict=True)]
 
@@ -362,12 +397,13 @@ class KVPoolClient:
             self._mark_down(agent, "leaving")
         return list(statuses)
 
-    def _get_group(self, agent: str, keys: list[str], views: list[memoryview]) -> list[p.BlockInfo] | None:
+    def _get_group(self, agent: str, keys: list[str], views: list[memoryview], *,
+                   flags: int) -> list[p.BlockInfo] | None:
         def tcp(conn: Connection) -> list[p.BlockInfo]:
-            return conn.get_into(keys, views, flags=p.FLAG_PULL)
+            return conn.get_into(keys, views, flags=flags)
 
         def shm(conn: Connection) -> list[p.BlockInfo]:
-            reply = conn.locate(keys, flags=p.FLAG_PULL)
+            reply = conn.locate(keys, flags=flags)
             try:
                 fallback = []
                 for i, (info, view) in enumerate(zip(reply.blocks, views, strict=True)):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.client import AsyncKVPoolClient, KVPoolClient, KVPoolError, block_hashes
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from daybreak.agent.store import protocol as p
 from daybreak.agent.store.connection import Connection, RemoteError
 from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
@@ -292,3 +293,42 @@ def test_fill_past_high_watermark_keeps_leased_and_evicts_lru(pool: dict[str, ob
         assert int(stats["dram_used"]) <= 8 * size
         reader.release(lease.lease_id)
         reader.close()
+
+
+def test_local_first_writes_are_recorded_at_the_home(pool: dict[str, object]) -> None:
+    ports = [free_port() for _ in range(3)]
+    addresses = [f"127.0.0.1:{q}" for q in ports]
+    for q in ports:
+        start(pool, port=q, peers=[a for a in addresses if not a.endswith(f":{q}")])
+    keys = [f"lf{i}" for i in range(30)]
+    data = blocks(30, 8192, seed=9)
+    # The writer's own agent is its first endpoint (reached through shared memory): every block lands there.
+    with KVPoolClient(endpoints=addresses, token=token(pool), namespace="ns") as writer:
+        deadline = time.monotonic() + 20
+        while len(writer.members()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert writer.batch_put(keys, data) == [1] * 30
+    stats = [Connection(a, token=token(pool).encode()).stats() for a in addresses]
+    assert [int(s["blocks"]) for s in stats] == [30, 0, 0]
+    # Each key's home (rendezvous over the three) records where its block lives.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pointers = [int(Connection(a, token=token(pool).encode()).stats()["pointers"]) for a in addresses]
+        if sum(pointers) == 30 - sum(1 for k in keys if rank_home(f"ns/{k}", addresses) == addresses[0]):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"homes recorded {pointers} pointers")
+    # A reader elsewhere (tcp, another endpoint) asks the homes and is sent to the holder.
+    with KVPoolClient(endpoints=[addresses[2]], token=token(pool), namespace="ns", transport="tcp") as reader:
+        out = [np.zeros(8192, np.uint8) for _ in keys]
+        assert reader.batch_get_into(keys, out) == [8192] * 30
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+    # Followed, not copied: the homes still hold no blocks of their own.
+    assert [int(Connection(a, token=token(pool).encode()).stats()["blocks"]) for a in addresses] == [30, 0, 0]
+
+
+def rank_home(key: str, addresses: list[str]) -> str:
+    from daybreak.agent.store.placement import rank
+
+    return rank(key, addresses)[0]

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from daybreak.agent.store import protocol as p
 from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.client import KVPoolClient
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.fuzz
 

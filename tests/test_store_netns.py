@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from daybreak.agent.store.local import LocalAgent, NetnsPair, cleanup_pool, free_port
 
 pytestmark = pytest.mark.netns

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from daybreak.agent.store import protocol as p
 from daybreak.agent.store.alloc import ALIGN, Arena
 from daybreak.agent.store.checksum import _slow_crc32c, crc32c

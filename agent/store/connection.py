@@ -131,9 +131,13 @@ class Connection:
         meta = p.AllocRequest(list(keys), list(sizes), list(checksums), pin_seconds).encode()
         return self._blocks(p.Op.ALLOC, meta)
 
-    def commit(self, reservation_id: int, *, abort: bool = False) -> list[p.BlockInfo]:
+    def commit(self, reservation_id: int, *, abort: bool = False, flags: int = 0) -> list[p.BlockInfo]:
         return self._blocks(p.Op.COMMIT, p.LeaseRequest(reservation_id).encode(),
-                            flags=p.FLAG_ABORT if abort else 0).blocks
+                            flags=flags | (p.FLAG_ABORT if abort else 0)).blocks
+
+    def record(self, holder: str, keys: Sequence[str]) -> list[p.BlockInfo]:
+        """Tell a key's home that ``holder`` has the block (local-first writes)."""
+        return self._blocks(p.Op.RECORD, p.RecordRequest(holder, list(keys)).encode()).blocks
 
     def members(self) -> list[p.Member]:
         _, raw = self._call(p.Op.MEMBERS, b"")

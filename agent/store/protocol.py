@@ -64,6 +64,7 @@ class Op(enum.IntEnum):
     PING = 11        # agent-to-agent liveness
     STATS = 12       # counters as a small text record (tests, bench)
     REPORT = 13      # a client found a checksum mismatch: verify and drop the block
+    RECORD = 14      # agent-to-agent: "I hold these keys" (local-first writes, recorded at their home)
     REPLY = 64
     ERROR = 65
 
@@ -79,12 +80,14 @@ class Status(enum.IntEnum):
     CORRUPT = 5       # checksum mismatch found; the block was removed
     TOO_LARGE = 6     # block larger than the agent accepts
     BUSY = 7          # the key is being written right now
+    REDIRECT = 8      # not here, but recorded: ``where`` names the agent that holds it
 
 
 # Flags (header ``flags``).
 FLAG_REPLICA = 1 << 0   # PUT from another agent (handoff, pull-through): do not forward
 FLAG_PULL = 1 << 1      # GET/LOCATE at the key's home: on a miss, fetch from the other agents
 FLAG_ABORT = 1 << 2     # COMMIT: abandon the reservation instead of publishing it
+FLAG_RECORD = 1 << 3    # PUT/COMMIT away from the key's home: record the holder there (local-first writes)
 
 
 @dataclass(frozen=True)
@@ -463,6 +466,26 @@ class TextReply:
         return msg
 
 
+@dataclass
+class RecordRequest:
+    """RECORD: ``holder`` (an agent address) holds ``keys``."""
+
+    holder: str
+    keys: list[str]
+
+    def encode(self) -> bytes:
+        w = Writer().text(self.holder)
+        _keys(w, self.keys)
+        return bytes(w.buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> RecordRequest:
+        r = Reader(raw)
+        msg = cls(r.text(), _read_keys(r))
+        r.end()
+        return msg
+
+
 # Which metadata record each request op carries (used by the server's dispatcher and the fuzzer).
 REQUEST_TYPES: dict[Op, Any] = {
     Op.HELLO: Hello,
@@ -476,6 +499,7 @@ REQUEST_TYPES: dict[Op, Any] = {
     Op.ALLOC: AllocRequest,
     Op.COMMIT: LeaseRequest,
     Op.PING: MembersReply,
+    Op.RECORD: RecordRequest,
 }
 
 

@@ -18,10 +18,12 @@ import contextlib
 import hmac
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ log = logging.getLogger("daybreak.store.server")
 HEARTBEAT_SECONDS = 0.5
 DEAD_AFTER_FAILURES = 2
 HANDOFF_BATCH = 32
+MAX_POINTERS = 1 << 20  # records of blocks held elsewhere (local-first writes), oldest dropped first
 
 
 @dataclass
@@ -118,12 +121,16 @@ class StoreServer:
         self.probe = ShmSegment.create(f"{store.dram.prefix}-probe", 4096, exist_ok=True)
         self.probe.buffer[:16] = self.nonce
         self._threads: list[threading.Thread] = []
+        self.pointers: OrderedDict[str, str] = OrderedDict()  # key -> address of the agent holding it
+        self._pointers_lock = threading.Lock()
+        self._records: queue.Queue[list[str]] = queue.Queue()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
         for target, name in ((self._accept_loop, "store-accept"), (self._heartbeat_loop, "store-heartbeat"),
-                             (self._maintenance_loop, "store-maintenance"), (self.store.dram.prefault, "store-prefault")):
+                             (self._maintenance_loop, "store-maintenance"), (self.store.dram.prefault, "store-prefault"),
+                             (self._record_loop, "store-record")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -204,6 +211,43 @@ class StoreServer:
         while not self._closed.wait(HEARTBEAT_SECONDS):
             self._heartbeat_once()
 
+    # -- local-first records --------------------------------------------------------------------
+
+    def _record_loop(self) -> None:
+        """Tell each key's home that this agent holds it, off the writer's critical path."""
+        while not self._closed.is_set():
+            try:
+                keys = self._records.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            live = self.live_ids()
+            by_home: dict[str, list[str]] = {}
+            for key in keys:
+                home = rank(key, live)[0] if live else self.agent_id
+                if home != self.agent_id:
+                    by_home.setdefault(home, []).append(key)
+            for home, group in by_home.items():
+                try:
+                    with self.pool_conns.borrow(self._address_of(home), timeout_seconds=5.0) as conn:
+                        conn.record(self.address, group)
+                except Exception as exc:  # the block is still found by pull-through, just a hop later
+                    log.info("event=record_failed agent=%s home=%s keys=%d reason=%s", self.agent_id, home,
+                             len(group), exc)
+
+    def _note(self, holder: str, keys: list[str]) -> None:
+        held = self.store.exists(keys)
+        with self._pointers_lock:
+            for key, block in zip(keys, held, strict=True):
+                if block is None and holder != self.address:
+                    self.pointers[key] = holder
+                    self.pointers.move_to_end(key)
+            while len(self.pointers) > MAX_POINTERS:
+                self.pointers.popitem(last=False)
+
+    def _pointer(self, key: str) -> str | None:
+        with self._pointers_lock:
+            return self.pointers.get(key)
+
     def _maintenance_loop(self) -> None:
         while not self._closed.wait(0.5):
             self.store.expire()
@@ -266,7 +310,8 @@ class StoreServer:
 
     def _pull(self, keys: list[str]) -> None:
         """At a key's home: fetch blocks missing here from the other agents (a joiner taking over its share)."""
-        missing = [k for k, b in zip(keys, self.store.exists(keys), strict=True) if b is None]
+        missing = [k for k, b in zip(keys, self.store.exists(keys), strict=True)
+                   if b is None and self._pointer(k) is None]
         others = self.live_ids(include_self=False)
         if not missing or not others:
             return
@@ -398,6 +443,9 @@ class StoreServer:
         elif op == p.Op.REMOVE:
             assert isinstance(request, p.KeysRequest)
             statuses = self.store.remove(request.keys)
+            with self._pointers_lock:
+                for key in request.keys:
+                    self.pointers.pop(key, None)
             self._reply(conn, rid, p.BlocksReply([p.BlockInfo(s) for s in statuses]).encode())
         elif op == p.Op.REPORT:
             assert isinstance(request, p.KeysRequest)
@@ -415,8 +463,14 @@ class StoreServer:
             parked = self.store.unpark(request.lease_id) or []
             done = [r for r in parked if r is not None]
             self.store.commit(done, ok=not header.flags & p.FLAG_ABORT)
+            if header.flags & p.FLAG_RECORD and not header.flags & p.FLAG_ABORT and done:
+                self._records.put([r.key for r in done])
             self._reply(conn, rid, p.BlocksReply([p.BlockInfo(p.Status.OK if r else p.Status.MISS)
                                                   for r in parked]).encode())
+        elif op == p.Op.RECORD:
+            assert isinstance(request, p.RecordRequest)
+            self._note(request.holder, request.keys)
+            self._reply(conn, rid, p.BlocksReply([p.BlockInfo(p.Status.OK) for _ in request.keys]).encode())
         elif op == p.Op.MEMBERS:
             self._reply(conn, rid, p.MembersReply(self.members()).encode())
         elif op == p.Op.PING:
@@ -425,7 +479,8 @@ class StoreServer:
                 self._heard(member)
             self._reply(conn, rid, p.MembersReply(self.members()).encode())
         elif op == p.Op.STATS:
-            counts = {**self.store.stats(), "rss_bytes": _rss_bytes(), "rss_peak_bytes": _peak_rss_bytes(), "peers_live": len(self.live_ids()) - 1}
+            counts = {**self.store.stats(), "rss_bytes": _rss_bytes(), "rss_peak_bytes": _peak_rss_bytes(), "peers_live": len(self.live_ids()) - 1,
+                      "pointers": len(self.pointers)}
             text = "\n".join(f"{k}={v}" for k, v in counts.items())
             self._reply(conn, rid, p.TextReply(text).encode())
 
@@ -455,6 +510,8 @@ class StoreServer:
             self.store.commit(reserved, ok=False)
             raise
         self.store.commit(reserved)
+        if header.flags & p.FLAG_RECORD and reserved:
+            self._records.put([r.key for r in reserved])
         infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum) if isinstance(s, Reservation) else p.BlockInfo(s)
                  for s in slots]
         self._reply(conn, header.request_id, p.BlocksReply(infos).encode())
@@ -466,7 +523,8 @@ class StoreServer:
             data: list[memoryview] = []
             for i, block in enumerate(blocks):
                 if block is None:
-                    infos.append(p.BlockInfo(p.Status.MISS))
+                    holder = self._pointer(req.keys[i])
+                    infos.append(p.BlockInfo(p.Status.REDIRECT, where=holder) if holder else p.BlockInfo(p.Status.MISS))
                 elif req.capacities and block.size > req.capacities[i]:
                     infos.append(p.BlockInfo(p.Status.TOO_SMALL, block.size, block.checksum))
                 else:
@@ -479,11 +537,12 @@ class StoreServer:
     def _locate(self, conn: socket.socket, rid: int, req: p.KeysRequest) -> None:
         blocks = self.store.acquire(req.keys, count=False)
         infos: list[p.BlockInfo] = []
-        for block in blocks:
+        for key, block in zip(req.keys, blocks, strict=True):
             if block is None or block.tier == "dram":
                 self.store.record(block)  # others are counted by the GET that fetches them
             if block is None:
-                infos.append(p.BlockInfo(p.Status.MISS))
+                holder = self._pointer(key)
+                infos.append(p.BlockInfo(p.Status.REDIRECT, where=holder) if holder else p.BlockInfo(p.Status.MISS))
             elif block.tier != "dram":
                 # Not mappable from another process: the client falls back to GET for it.
                 infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, ""))
