@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any, NewType
 
 import kopf
+from pydantic import ValidationError
+
 from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
@@ -48,7 +50,6 @@ from daybreak.operator.kube import (
     Manifest,
 )
 from daybreak.operator.settings import OperatorSettings
-from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,14 @@ class Controller:
 
         @kopf.on.login(registry=registry)
         def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-            if credentials.in_cluster:
-                return kopf.login_with_service_account(**kwargs)  # re-reads the projected, rotating token
+            # A sync handler: kopf runs it in a thread, so reading the token file does not block the loop.
+            token = credentials.token
+            if credentials.token_path:
+                with open(credentials.token_path) as f:  # the projected token rotates: read it at every login
+                    token = f.read().strip()
             return kopf.ConnectionInfo(
                 server=credentials.server, ca_path=credentials.ca_path, insecure=credentials.insecure,
-                token=credentials.token, scheme="Bearer" if credentials.token else None,
+                token=token, scheme="Bearer" if token else None,
                 certificate_path=credentials.certificate_path, private_key_path=credentials.private_key_path,
                 default_namespace=credentials.default_namespace,
             )
@@ -504,8 +508,17 @@ class Controller:
     async def resync(self) -> None:
         """Queue a full reconcile of every object in scope and sweep orphaned cluster bindings."""
         ns = self.settings.namespace
-        pools = await self.client.list(KVPOOL, namespace=ns)
-        pdds = await self.client.list(PDDEPLOYMENT, namespace=ns)
+        try:
+            pools = await self.client.list(KVPOOL, namespace=ns)
+            pdds = await self.client.list(PDDEPLOYMENT, namespace=ns)
+        except KubeError:
+            # Still re-assert what we know: each key then retries on its own back-off until the apiserver is back.
+            known: list[Key] = [(POOL, n, p) for n, p in self.pools] + [(PDD, n, d) for n, d in self.pool_of]
+            for known_key in known:
+                if self.queue.failures(known_key) == 0:
+                    self.needs_apply.add(known_key)
+                    self.queue.add(known_key)
+            raise
         live: set[tuple[str, str]] = set()
         for kind, items in ((POOL, pools), (PDD, pdds)):
             for obj in items:

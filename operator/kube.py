@@ -133,20 +133,28 @@ class Credentials:
     insecure: bool
     default_namespace: str | None
     in_cluster: bool
+    token_path: str | None = None  # in cluster: the projected token, re-read on every login (it rotates)
 
 
-IN_CLUSTER_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-async def load_configuration(kubeconfig: str | None) -> tuple[k8s_client.Configuration, Credentials]:
-    """Load a kubeconfig (the given file, else $KUBECONFIG/~/.kube/config) or the in-cluster ServiceAccount."""
+async def load_configuration(kubeconfig: str | None, *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
+                             ) -> tuple[k8s_client.Configuration, Credentials]:
+    """Load a kubeconfig (the given file, else $KUBECONFIG/~/.kube/config) or, in a Pod (no kubeconfig given and
+    KUBERNETES_SERVICE_HOST set), the ServiceAccount mounted at ``service_account_dir``."""
     configuration = k8s_client.Configuration()
     in_cluster = False
     default_namespace: str | None = None
+    token_path: str | None = None
     if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
-        k8s_config.load_incluster_config(client_configuration=configuration)
+        token_path = os.path.join(service_account_dir, "token")
+        # try_refresh_token: the kubelet rotates the projected token; the loader re-reads it.
+        k8s_config.load_incluster_config(client_configuration=configuration, try_refresh_token=True,
+                                         token_filename=token_path,
+                                         cert_filename=os.path.join(service_account_dir, "ca.crt"))
         in_cluster = True
-        default_namespace = await asyncio.to_thread(_read_incluster_namespace)
+        default_namespace = await asyncio.to_thread(_read_file, os.path.join(service_account_dir, "namespace"))
     else:
         loader = await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
         context = loader.current_context  # a plain dict: {"name": ..., "context": {...}}
@@ -165,14 +173,15 @@ async def load_configuration(kubeconfig: str | None) -> tuple[k8s_client.Configu
         insecure=not configuration.verify_ssl,
         default_namespace=default_namespace,
         in_cluster=in_cluster,
+        token_path=token_path,
     )
     return configuration, creds
 
 
-def _read_incluster_namespace() -> str | None:
-    if not os.path.exists(IN_CLUSTER_NAMESPACE_FILE):
+def _read_file(path: str) -> str | None:
+    if not os.path.exists(path):
         return None
-    with open(IN_CLUSTER_NAMESPACE_FILE) as f:
+    with open(path) as f:
         return f.read().strip() or None
 
 

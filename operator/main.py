@@ -18,12 +18,13 @@ import sys
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
+
 from daybreak.operator import metrics
 from daybreak.operator.controller import Controller
 from daybreak.operator.kube import Credentials, KubeClient, load_configuration
 from daybreak.operator.leader import LeaseElector, LeaseTiming, make_identity
 from daybreak.operator.settings import OperatorSettings
-from pydantic import ValidationError
 
 logger = logging.getLogger("daybreak.operator")
 
@@ -93,7 +94,8 @@ def _lease_namespace(settings: OperatorSettings, creds: Credentials) -> str:
 
 async def operate(settings: OperatorSettings) -> int:
     """Campaign, lead, repeat; until a signal."""
-    configuration, creds = await load_configuration(settings.kubeconfig)
+    configuration, creds = await load_configuration(settings.kubeconfig,
+                                                    service_account_dir=settings.service_account_dir)
     client = KubeClient(configuration)
     metrics.serve(settings.metrics_port, address=settings.metrics_address)
     metrics.LEADER.set(0)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
 from daybreak.api.kvpool import KVPool, Transport
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels

@@ -20,6 +20,8 @@ class OperatorSettings(BaseModel):
     # -- cluster access ----------------------------------------------------------------
     kubeconfig: str | None = Field(None, description="kubeconfig file; unset: in-cluster ServiceAccount, "
                                                       "else $KUBECONFIG / ~/.kube/config")
+    service_account_dir: str = Field("/var/run/secrets/kubernetes.io/serviceaccount",
+                                     description="in cluster: where the ServiceAccount token, ca.crt and namespace are")
     namespace: str | None = Field(None, description="watch only this namespace")
     all_namespaces: bool = Field(False, description="watch every namespace (the default when no namespace is set)")
 
