@@ -284,8 +284,11 @@ def run(args: argparse.Namespace) -> int:
                     remote = engine.open_remote(peer.descriptor)
                     for size, batch in cases:
                         ours = _engine_fn(engine, remote, src_view, size, batch)
-                        gbps, base = _best_of(ours, lambda n=size * batch: raw.send(src_view[:n]), size * batch,
-                                              seconds=args.seconds, rounds=args.rounds)
+
+                        def stream(n: int = size * batch) -> None:
+                            raw.send(src_view[:n])
+
+                        gbps, base = _best_of(ours, stream, size * batch, seconds=args.seconds, rounds=args.rounds)
                         tcp_rates[(size, batch)] = gbps
                         rows.append(_row("tcp", size, batch, gbps, "python-stream", base))
                 raw.close()

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+
 from daybreak.agent.transfer import (
     RemoteSegment,
     ShmSegment,

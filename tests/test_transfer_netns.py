@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
 from daybreak.agent.transfer.peerproc import PeerProcess, pattern
 
 pytestmark = pytest.mark.netns

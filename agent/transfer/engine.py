@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.transfer import metrics
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
@@ -232,14 +233,17 @@ class TransferEngine:
       token: shared secret checked when a tcp connection opens (empty: none).
       timeout_s: default deadline of a batch, in seconds.
       verbs: a pyverbs-compatible module for rdma (default: import pyverbs).
-      copier: a ``PeerCopier`` for the link transport (default: none, link disabled).
+      runtime: the accelerator runtime (``daybreak.agent.runtime.AcceleratorRuntime``) for
+        device segments: link copies, dma-buf registration, staging (default: none, link off).
+      rdma_nics: RDMA device names to use (default: the topology's, else every device found).
       topology: a ``TopologyView`` for NIC ranking and GDR decisions (default: host only).
     """
 
     def __init__(self, *, node: str | None = None, listen: str = "127.0.0.1:0", advertise: str | None = None,
                  transports: Iterable[str] = TRANSPORTS, tcp_connections: int = 2, slice_bytes: int = 4 << 20,
                  checksum: bool = False, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 breaker: CircuitBreaker | None = None, verbs: Any = None, copier: Any = None,
+                 breaker: CircuitBreaker | None = None, verbs: Any = None, runtime: Any = None,
+                 rdma_nics: Sequence[str] | None = None,
                  topology: Any = None) -> None:
         wanted = tuple(transports)
         unknown = [t for t in wanted if t not in TRANSPORTS]
@@ -263,7 +267,8 @@ class TransferEngine:
         self.breaker = breaker or CircuitBreaker()
         self._wanted = wanted
         self._verbs = verbs
-        self._copier = copier
+        self._runtime = runtime
+        self._rdma_nics = list(rdma_nics) if rdma_nics else None
         self._topology = topology
         self._transports: dict[str, Transport] = {}
         self._segments: dict[str, LocalSegment] = {}
@@ -292,17 +297,18 @@ class TransferEngine:
             from daybreak.agent.transfer.rdma import RdmaTransport, RdmaUnavailable
 
             try:
-                self._transports["rdma"] = RdmaTransport(self, verbs=self._verbs, topology=self._topology)
+                self._transports["rdma"] = RdmaTransport(self, verbs=self._verbs, topology=self._topology,
+                                                         runtime=self._runtime, nics=self._rdma_nics)
             except RdmaUnavailable as exc:
                 log.info("transfer rdma disabled engine=%s cause=%r fallback=tcp", self.engine_id, str(exc))
         if "link" in self._wanted:
-            if self._copier is None:
-                log.info("transfer link disabled engine=%s cause='no accelerator peer copier' fallback=shm,tcp",
+            if self._runtime is None or not getattr(self._runtime, "devices", lambda: ())():
+                log.info("transfer link disabled engine=%s cause='no accelerator runtime with devices' fallback=shm,tcp",
                          self.engine_id)
             else:
                 from daybreak.agent.transfer.link import LinkTransport
 
-                self._transports["link"] = LinkTransport(self, self._copier)
+                self._transports["link"] = LinkTransport(self, self._runtime)
         self._monitor.start()
         self._started = True
         log.info("transfer engine started engine=%s node=%s transports=%s tcp=%s", self.engine_id, self.node,
@@ -340,16 +346,21 @@ class TransferEngine:
         return self._transports[name]
 
     # -- segments ----------------------------------------------------------------------------
-    def register_segment(self, memory: ShmSegment | DeviceMemory | Any, *, name: str | None = None) -> LocalSegment:
+    def register_segment(self, memory: ShmSegment | DeviceMemory | DeviceBuffer | Any, *,
+                         name: str | None = None) -> LocalSegment:
         """Make ``memory`` reachable by peers; returns the segment with its ``descriptor``.
 
         ``memory`` is a ``ShmSegment`` (reachable by shm, tcp and rdma), any other writable
-        host buffer (tcp and rdma), or ``DeviceMemory`` (link and rdma with GDR).
+        host buffer (tcp and rdma), or device memory: the runtime's ``DeviceBuffer`` or a
+        ``DeviceMemory`` (link, and rdma with GDR or staging).
         """
         self._require_started()
         shm: ShmSegment | None = None
         device: DeviceMemory | None = None
         buffer: memoryview | None = None
+        runtime_buffer: DeviceBuffer | None = None
+        if isinstance(memory, DeviceBuffer):
+            runtime_buffer, memory = memory, DeviceMemory(memory.device, memory.address, memory.size)
         if isinstance(memory, ShmSegment):
             shm, buffer, default_name = memory, _byte_view(memory.buffer, field="memory"), memory.name
         elif isinstance(memory, DeviceMemory):
@@ -372,6 +383,9 @@ class TransferEngine:
             handle = next(self._handles)
         segment = LocalSegment(name=seg_name, segment_id=segment_id, size=size, handle=handle, buffer=buffer,
                                shm=shm, device=device)
+        if device is not None:
+            segment.transport_state["device_buffer"] = runtime_buffer or DeviceBuffer(device.device, device.ptr,
+                                                                                       device.size)
         for transport in self._transports.values():
             transport.register(segment)
         segment.descriptor = SegmentDescriptor(
@@ -538,11 +552,11 @@ class TransferEngine:
             except Exception as exc:  # a transport that blows up fails its jobs over, it never loses them
                 log.exception("transfer transport start failed transport=%s", name)
                 for job in group:
-                    self.job_path_failed(job, f"{type(exc).__name__}: {exc}")
+                    self.job_path_failed(job, f"{type(exc).__name__}: {exc}", transport=name)
 
     # -- reports from transports ----------------------------------------------------------------
-    def job_done(self, job: Job) -> None:
-        self.jobs_done([job], job.chain[job.pos])
+    def job_done(self, job: Job, *, transport: str) -> None:
+        self.jobs_done([job], transport)
 
     def jobs_done(self, jobs: Sequence[Job], name: str) -> None:
         """``job_done`` for many jobs of one transport (one metrics update per batch: cheap for small KV blocks)."""
@@ -550,9 +564,11 @@ class TransferEngine:
         count = [0, 0]
         peer = ""
         for job in jobs:
+            if not self._current(job, name):
+                continue
             if job.batch.finish(job.index, Status.COMPLETED, transport=name):
                 job.batch.results[job.index].attempts = job.attempts
-                slot = job.op is Op.WRITE
+                slot = 1 if job.op is Op.WRITE else 0
                 nbytes[slot] += job.length
                 count[slot] += 1
             if job.peer != peer:
@@ -573,13 +589,21 @@ class TransferEngine:
                                                      metrics.BYTES.labels(name, op))
         return children
 
-    def job_request_failed(self, job: Job, cause: str) -> None:
+    def _current(self, job: Job, transport: str) -> bool:
+        """False for a report from a transport the job already left (a straggler after a fallback)."""
+        return job.pos < len(job.chain) and job.chain[job.pos] == transport
+
+    def job_request_failed(self, job: Job, cause: str, *, transport: str) -> None:
         """The request itself is bad for the peer (unknown segment, range): no fallback would help."""
+        if not self._current(job, transport):
+            return
         job.errors.append(f"{job.chain[job.pos]}: {cause}")
         self._fail(job, "")
 
-    def job_path_failed(self, job: Job, cause: str) -> None:
+    def job_path_failed(self, job: Job, cause: str, *, transport: str) -> None:
         """The path failed (connection, mapping, NIC): count it against the path and fall back."""
+        if not self._current(job, transport):
+            return
         name = job.chain[job.pos]
         job.errors.append(f"{name}: {cause}")
         self.breaker.failure((name, job.peer), cause)

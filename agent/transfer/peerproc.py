@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
 from daybreak.agent.transfer.batch import Op, TransferRequest
 from daybreak.agent.transfer.engine import RemoteSegment, TransferEngine
 from daybreak.agent.transfer.segment import ShmSegment
@@ -155,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 timeout, spec = rest.split()
                 requests = []
                 for item in spec.split(","):
-                    op, rid, loff, roff, length = item.split(":")
+                    op, rid, loff, roff, size = item.split(":")
                     requests.append(TransferRequest(Op(op), remotes[int(rid)], int(roff), view,
-                                                    local_offset=int(loff), length=int(length)))
+                                                    local_offset=int(loff), length=int(size)))
                 results = engine.submit(requests, timeout_s=float(timeout)).wait()
                 print(json.dumps([{"status": r.status.value, "transport": r.transport, "error": r.error}
                                   for r in results]), flush=True)

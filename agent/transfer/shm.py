@@ -44,7 +44,7 @@ class ShmTransport(Transport):
             try:
                 mapped = self._map(job.remote)
             except (OSError, ValueError) as exc:
-                self._engine.job_path_failed(job, f"cannot map /dev/shm/{job.remote.descriptor.shm_name}: {exc}")
+                self._engine.job_path_failed(job, f"cannot map /dev/shm/{job.remote.descriptor.shm_name}: {exc}", transport=self.name)
                 continue
             start = job.remote_offset
             assert job.view is not None

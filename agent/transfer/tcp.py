@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
@@ -187,7 +188,7 @@ class _Peer:
             self._ensure_connections(jobs[0].batch.deadline)
         except OSError as exc:
             for job in jobs:
-                self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}")
+                self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}", transport="tcp")
             return
         budget = INLINE_SEND_BYTES
         for frame in _slice(jobs, slice_bytes=self.engine.slice_bytes, checksum=self.engine.checksum):
@@ -271,9 +272,9 @@ class _Peer:
                 continue
             seen.add(id(job))
             if path:
-                self.engine.job_path_failed(job, cause)
+                self.engine.job_path_failed(job, cause, transport="tcp")
             else:
-                self.engine.job_request_failed(job, cause)
+                self.engine.job_request_failed(job, cause, transport="tcp")
 
     def pieces_done(self, frame: _Frame) -> None:
         finished: list[Job] = []
@@ -328,19 +329,7 @@ class _Conn:
         self.receiver.start()
 
     def _hello(self) -> None:
-        engine = self.peer.engine
-        body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
-        self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
-        header = bytearray(wire.HEADER.size)
-        _recv_exact(self.sock, memoryview(header))
-        hdr = wire.parse_header(header)
-        payload = bytearray(hdr.payload_len)
-        _recv_exact(self.sock, memoryview(payload))
-        if hdr.type is wire.FrameType.ERROR:
-            raise ValueError(payload.decode(errors="replace"))
-        if hdr.type is not wire.FrameType.HELLO:
-            raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
-        self.peer.peer_engine = json.loads(payload).get("engine_id", "")
+        self.peer.peer_engine = _handshake(self.sock, self.peer.engine)
 
     def carries(self, batch: BatchHandle) -> bool:
         with self.lock:
@@ -403,13 +392,12 @@ class _Conn:
         while self.alive:
             with self.lock:
                 while self.alive:
+                    wait: float | None = None  # nothing in flight: sleep until notified
                     if self.inflight:
                         oldest = next(iter(self.inflight.values()))
                         wait = 0.0 if not oldest.sync else oldest.sent_at + PUMP_GRACE_S - time.monotonic()
                         if wait <= 0:
                             break
-                    else:
-                        wait = None  # type: ignore[assignment]
                     self.ready.wait(wait)
             with self.recv_lock:
                 if self.alive and self.inflight:
@@ -494,6 +482,50 @@ class _Conn:
         for frame in frames:
             self.peer.requeue(frame, cause)
         self.peer.connection_lost(cause)
+
+
+def _handshake(sock: socket.socket, engine: TransferEngine) -> str:
+    """Client side of HELLO; returns the peer's engine id."""
+    body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
+    sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+    header = bytearray(wire.HEADER.size)
+    _recv_exact(sock, memoryview(header))
+    hdr = wire.parse_header(header)
+    payload = bytearray(hdr.payload_len)
+    _recv_exact(sock, memoryview(payload))
+    if hdr.type is wire.FrameType.ERROR:
+        raise ValueError(payload.decode(errors="replace"))
+    if hdr.type is not wire.FrameType.HELLO:
+        raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
+    peer: str = json.loads(payload).get("engine_id", "")
+    return peer
+
+
+def control_request(engine: TransferEngine, endpoint: str, kind: wire.FrameType, message: dict[str, Any], *,
+                    timeout_s: float) -> dict[str, Any]:
+    """One request/answer exchange on a fresh connection (rdma queue-pair set-up rides on this).
+
+    Raises ``OSError`` when the peer cannot be reached and ``PeerError`` when it refuses.
+    """
+    address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
+    with socket.create_connection(address, timeout=max(0.05, timeout_s)) as sock:
+        try:
+            _handshake(sock, engine)
+            body = json.dumps(message).encode()
+            sock.sendall(wire.pack_header(kind, frame_id=1, payload_len=len(body)) + body)
+            header = bytearray(wire.HEADER.size)
+            _recv_exact(sock, memoryview(header))
+            hdr = wire.parse_header(header)
+            payload = bytearray(hdr.payload_len)
+            _recv_exact(sock, memoryview(payload))
+        except (ValueError, wire.MalformedFrame) as exc:
+            raise OSError(f"control exchange with {endpoint} failed: {exc}") from None
+    if hdr.type is wire.FrameType.ERROR:
+        raise PeerError(payload.decode(errors="replace"))
+    if hdr.type is not kind:
+        raise OSError(f"control exchange with {endpoint}: expected {kind.name}, got {hdr.type.name}")
+    answer: dict[str, Any] = json.loads(payload)
+    return answer
 
 
 # ---------------------------------------------------------------------------- server side
