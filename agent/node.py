@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from daybreak.agent.registration import Registrar, Segment
+from daybreak.agent.registration import MemoryRegistrar, Registrar, Segment
 from daybreak.agent.runtime import LoadedRuntime, load_runtime
 from daybreak.agent.settings import AgentSettings
 from daybreak.agent.topology import Topology, discover, parse_vendor_ids
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 SegmentSource = Callable[[], Sequence[Segment]]
 UsageSource = Callable[[], Mapping[str, int]]
+# (topology, usable NIC names) -> the registrar to use instead of opening our own (the rdma transport's).
+RegistrarFactory = Callable[[Topology, list[str]], MemoryRegistrar]
 RETRY_SECONDS = 5.0  # after a failed publish, well below the refresh period
 
 
@@ -39,14 +41,15 @@ class NodeAgent:
     """Hardware, registration and publishing state of one node (one instance per agent process)."""
 
     def __init__(self, settings: AgentSettings, *, store_segments: SegmentSource | None = None,
-                 tier_usage: UsageSource | None = None) -> None:
+                 tier_usage: UsageSource | None = None, registrar_factory: RegistrarFactory | None = None) -> None:
         self.settings = settings
         self._segments = store_segments or (lambda: ())
         self._usage = tier_usage or (lambda: {})
+        self._registrar_factory = registrar_factory
         self._vendors = parse_vendor_ids(settings.sunrise_pci_vendors)
         self.loaded: LoadedRuntime | None = None
         self.topology: Topology | None = None
-        self.registrar = Registrar(reason="not started")
+        self.registrar: MemoryRegistrar = Registrar(reason="not started")
         self._registered: dict[str, Segment] = {}
         self._ready_since: datetime | None = None
 
@@ -69,8 +72,11 @@ class NodeAgent:
         topo = self.topology
         log.info("node=%s runtime=%s accelerators=%d nics=%d gdr_pairs=%d", s.node_name or "-", topo.runtime,
                  len(topo.gpus), len(topo.nics), sum(len(v) for v in topo.gdr.values()))
-        self.registrar = await asyncio.to_thread(Registrar.open, self._usable_nics(topo),
-                                                 peer_memory=bool(topo.peer_memory))
+        nics = self._usable_nics(topo)
+        if self._registrar_factory is not None:
+            self.registrar = await asyncio.to_thread(self._registrar_factory, topo, nics)
+        else:
+            self.registrar = await asyncio.to_thread(Registrar.open, nics, peer_memory=bool(topo.peer_memory))
         await self.sync_segments()
 
     async def sync_segments(self) -> None:
@@ -152,12 +158,17 @@ class NodeAgent:
 
 async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSource | None = None,
                          tier_usage: UsageSource | None = None, stop: asyncio.Event | None = None,
-                         started: Callable[[NodeAgent], None] | None = None) -> None:
-    """Cluster mode: discover -> register -> publish, refreshing until ``stop``; always cleans up."""
+                         started: Callable[[NodeAgent], None] | None = None,
+                         registrar_factory: RegistrarFactory | None = None) -> None:
+    """Cluster mode: discover -> register -> publish, refreshing until ``stop``; always cleans up.
+
+    ``started`` is called once discovery and registration are done (the process main can hand the
+    loaded runtime and topology to the store from there)."""
     if not settings.node_name:
         raise ValueError("node_name: cluster mode needs the node name (DAYBREAK_NODE_NAME from the downward API)")
     stop = stop or asyncio.Event()
-    agent = NodeAgent(settings, store_segments=store_segments, tier_usage=tier_usage)
+    agent = NodeAgent(settings, store_segments=store_segments, tier_usage=tier_usage,
+                      registrar_factory=registrar_factory)
     try:
         await agent.start()
         if started is not None:

@@ -19,7 +19,12 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from daybreak.agent.registration import Registrar, Segment
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio import watch as k8s_watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from daybreak.agent.registration import MemoryRegistrar, Segment
 from daybreak.agent.topology import Topology
 from daybreak.api.base import GROUP, VERSION
 from daybreak.api.kube import Condition, ConditionStatus
@@ -37,11 +42,6 @@ from daybreak.api.node import (
     NodeSegment,
     NodeTierBytes,
 )
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio import watch as k8s_watch
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from daybreak.version import __version__
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def _attributes(bus_id: str | None, root: str | None) -> dict[str, str]:
     return out
 
 
-def kvnode_status(topo: Topology, registrar: Registrar, *, node_name: str, segments: Sequence[Segment] = (),
+def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str, segments: Sequence[Segment] = (),
                   capacity: Mapping[str, int] | None = None, used: Mapping[str, int] | None = None,
                   now: datetime | None = None, ready_since: datetime | None = None) -> KVNodeStatus:
     """The KVNode status for one refresh; ``ready_since`` is the first successful publish (transition time)."""
@@ -149,7 +149,7 @@ def kvnode_status(topo: Topology, registrar: Registrar, *, node_name: str, segme
         link_domain=link_domain(topo, node_name), accelerators=accelerators, nics=nics,
         links=[NodeLink(a=p.a, b=p.b, link=p.link) for p in topo.pairs],
         nic_rank=dict(topo.nic_rank), gdr=dict(topo.gdr), peer_memory=list(topo.peer_memory),
-        rdma=NodeRdma(available=registrar.rdma, reason=registrar.reason, nics=[n.name for n in registrar.nics]),
+        rdma=NodeRdma(available=registrar.rdma, reason=registrar.reason, nics=list(registrar.nic_names)),
         transports=registrar.transports(), segments=node_segments,
         capacity=NodeTierBytes(**dict(capacity or {})), used=NodeTierBytes(**dict(used or {})),
         agent_version=__version__, heartbeat_time=now.isoformat().replace("+00:00", "Z"), conditions=[ready],

@@ -18,10 +18,10 @@ import ctypes
 import importlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime, DeviceBuffer, Unsupported
 
@@ -82,6 +82,37 @@ class Registration:
     def to_json(self) -> dict[str, Any]:
         return {"segment": self.segment, "nic": self.nic, "lkey": self.lkey, "rkey": self.rkey, "iova": self.iova,
                 "length": self.length, "method": self.method}
+
+
+class MemoryRegistrar(Protocol):
+    """What the node agent needs from whatever registers the store's memory: the Registrar below, or an
+    adapter over the rdma transport's own MRs (so the published keys are the ones peers must use)."""
+
+    @property
+    def rdma(self) -> bool: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def nic_names(self) -> list[str]: ...
+
+    @property
+    def registrations(self) -> Mapping[str, Sequence[Registration]]: ...
+
+    @property
+    def problems(self) -> Mapping[str, str]: ...
+
+    def transports(self) -> list[str]: ...
+
+    def register(self, segment: Segment, *, runtime: AcceleratorRuntime | None = None) -> Sequence[Registration]: ...
+
+    def deregister(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _lookup(module: ModuleType, enum_class: str, name: str) -> int:
@@ -177,6 +208,10 @@ class Registrar:
     @property
     def status(self) -> str:
         return "rdma available" if self.rdma else f"rdma unavailable: {self.reason}"
+
+    @property
+    def nic_names(self) -> list[str]:
+        return [n.name for n in self.nics]
 
     def transports(self) -> list[str]:
         return ["rdma", "tcp"] if self.rdma and any(self.registrations.values()) else ["tcp"]
@@ -285,7 +320,7 @@ class Registrar:
         self.nics.clear()
 
     def to_json(self) -> dict[str, Any]:
-        return {"rdma": self.rdma, "status": self.status, "nics": [n.name for n in self.nics],
+        return {"rdma": self.rdma, "status": self.status, "nics": self.nic_names,
                 "transports": self.transports(),
                 "registrations": [r.to_json() for regs in self.registrations.values() for r in regs],
                 "problems": dict(self.problems)}

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from pydantic import Field
+
 from daybreak.api.base import ApiModel, CRDInfo, CustomResource, PrinterColumn
 from daybreak.api.kube import Condition, conditions_field
-from pydantic import Field
 
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from daybreak.agent.registration import Registrar, Segment, Verbs, host_segment
 from daybreak.agent.runtime.base import DeviceBuffer, Unsupported
 from daybreak.agent.transfer.segment import ShmSegment

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sunrise_lib.build import build, node
+
 from daybreak.agent.runtime import RuntimeCallError, RuntimeUnavailable, Unsupported, load_runtime
 from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.runtime.host import HostRuntime
 from daybreak.agent.runtime.nvidia import NVLINK_DEVICE_TYPE_SWITCH, NvidiaRuntime, nvlink_peer_links
 from daybreak.agent.runtime.sunrise import SunriseRuntime
-from sunrise_lib.build import build, node
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
 DAYBREAK = str(Path(sys.executable).parent / "daybreak")

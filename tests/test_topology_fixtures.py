@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from daybreak.agent.topology import discover
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"

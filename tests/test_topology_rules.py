@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from daybreak.agent.runtime.base import DeviceInfo, PeerLink, normalize_bus_id
 from daybreak.agent.topology import build, discover
 from daybreak.agent.topology.model import gdr_capable, pcie_link, resolve_numa
