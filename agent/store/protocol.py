@@ -126,6 +126,9 @@ def unpack_header(raw: bytes | bytearray | memoryview) -> Header:
 # -- metadata codec ------------------------------------------------------------------------
 
 
+_U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
+
+
 class Writer:
     """Appends little-endian fields to a bytearray."""
 
@@ -133,19 +136,19 @@ class Writer:
         self.buf = bytearray()
 
     def u8(self, v: int) -> Writer:
-        self.buf += struct.pack("<B", v)
+        self.buf += _U8.pack(v)
         return self
 
     def u16(self, v: int) -> Writer:
-        self.buf += struct.pack("<H", v)
+        self.buf += _U16.pack(v)
         return self
 
     def u32(self, v: int) -> Writer:
-        self.buf += struct.pack("<I", v)
+        self.buf += _U32.pack(v)
         return self
 
     def u64(self, v: int) -> Writer:
-        self.buf += struct.pack("<Q", v)
+        self.buf += _U64.pack(v)
         return self
 
     def blob(self, v: bytes, *, limit: int) -> Writer:
@@ -182,17 +185,25 @@ class Reader:
         self.pos = end
         return chunk
 
+    def _fixed(self, fmt: struct.Struct) -> int:
+        end = self.pos + fmt.size
+        if end > len(self.data):
+            raise ProtocolError(f"metadata truncated at byte {self.pos} (wanted {fmt.size} more)")
+        (value,) = fmt.unpack_from(self.data, self.pos)
+        self.pos = end
+        return int(value)
+
     def u8(self) -> int:
-        return int(self._take(1)[0])
+        return self._fixed(_U8)
 
     def u16(self) -> int:
-        return int(struct.unpack("<H", self._take(2))[0])
+        return self._fixed(_U16)
 
     def u32(self) -> int:
-        return int(struct.unpack("<I", self._take(4))[0])
+        return self._fixed(_U32)
 
     def u64(self) -> int:
-        return int(struct.unpack("<Q", self._take(8))[0])
+        return self._fixed(_U64)
 
     def blob(self, *, limit: int) -> bytes:
         n = self.u16() if limit <= 0xFFFF else self.u32()
@@ -358,6 +369,9 @@ class BlockInfo:
     offset: int = 0
 
 
+_ENTRY = struct.Struct("<BQIH")  # status, size, crc32c, length of ``where``
+
+
 @dataclass
 class BlocksReply:
     """Reply to PUT/GET/EXISTS/REMOVE/LOCATE/ALLOC/REPORT; for GET the data section holds the OK blocks."""
@@ -377,12 +391,24 @@ class BlocksReply:
         n = r.count()
         lease_id = r.u64()
         blocks = []
+        data = r.data
         for _ in range(n):
-            (status,) = _statuses(r, 1)
-            size = r.u64()
+            if r.pos + _ENTRY.size + 8 > len(data):
+                raise ProtocolError(f"metadata truncated at byte {r.pos}")
+            status, size, checksum, where_len = _ENTRY.unpack_from(data, r.pos)
+            r.pos += _ENTRY.size
+            if where_len > MAX_KEY_BYTES:
+                raise ProtocolError(f"field of {where_len} bytes exceeds {MAX_KEY_BYTES}")
+            try:
+                where = r._take(where_len).decode()
+                kind = Status(status)
+            except UnicodeDecodeError:
+                raise ProtocolError("text field is not UTF-8") from None
+            except ValueError:
+                raise ProtocolError(f"unknown status {status}") from None
             if size > MAX_BLOCK_BYTES:
                 raise ProtocolError(f"block size over {MAX_BLOCK_BYTES}")
-            blocks.append(BlockInfo(status, size, r.u32(), r.text(limit=MAX_KEY_BYTES), r.u64()))
+            blocks.append(BlockInfo(kind, size, checksum, where, r.u64()))
         r.end()
         return cls(blocks, lease_id)
 
