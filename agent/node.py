@@ -114,13 +114,15 @@ class NodeAgent:
         try:
             while not stop.is_set():
                 delay = s.node_refresh_seconds
+                # Cleared before publishing, never after: an edit that lands while we publish must
+                # still wake the loop (at worst we publish once more for nothing).
+                drifted.clear()
                 try:
                     await self._publish_once(publisher, desired)
                 except Exception as exc:  # the API server may be away for a while; the node keeps serving
                     log.warning("node=%s publish failed error=%r; retrying in %.0fs", s.node_name, str(exc),
                                 RETRY_SECONDS)
                     delay = RETRY_SECONDS
-                drifted.clear()
                 waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(drifted.wait())]
                 await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
                 for w in waiters:
