@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
-import inspect
 import logging
 import os
 import re
@@ -140,8 +138,8 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
     return server
 
 
-def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
-    """Run the store until ``stop`` is set, then hand blocks off and close."""
+def start_store(settings: AgentSettings) -> Any:
+    """Open the tiers, start serving and log ``ready``; returns the running StoreServer."""
     token = load_token(settings.token_file)
     server = build_store(settings, token=token)
     if settings.metrics_port:
@@ -152,7 +150,11 @@ def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
     stats = server.store.stats()
     log.info("event=ready agent=%s pool=%s blocks=%d dram_bytes=%d peers=%d", server.agent_id, server.pool,
              stats["blocks"], stats["dram_capacity"], len(settings.peers))
-    stop.wait()
+    return server
+
+
+def stop_store(server: Any) -> None:
+    """Hand blocks to the other agents, then close (DRAM segments stay for the next start)."""
     log.info("event=stopping agent=%s", server.agent_id)
     try:
         server.leave()
@@ -160,36 +162,68 @@ def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
         server.close()
         server.store.close()
     log.info("event=stopped agent=%s", server.agent_id)
+
+
+def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
+    """Standalone: run the store until ``stop`` is set."""
+    server = start_store(settings)
+    stop.wait()
+    stop_store(server)
     return 0
 
 
-def _run_node(settings: AgentSettings, stop: threading.Event) -> int:
-    """Cluster mode: the node's discovery and publishing (``daybreak.agent.node``), when present."""
+def _store_hooks(server: Any) -> dict[str, Any]:
+    """What the node side publishes about the store: its DRAM segments (for RDMA registration) and tier use."""
+    from daybreak.agent.registration import host_segment
+
+    store = server.store
+
+    def segments() -> list[Any]:
+        return [host_segment(seg.name, seg.buffer) for seg in store.dram.segments]
+
+    def usage() -> dict[str, int]:
+        used = {"dram": store.dram.used}
+        if store.ssd is not None:
+            used["ssd"] = store.ssd.used
+        if store.hbm is not None:
+            used["hbm"] = store.hbm.used
+        return used
+
+    return {"store_segments": segments, "tier_usage": usage}
+
+
+def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> int:
+    """Cluster mode: discovery, registration and publishing (``daybreak.agent.node``) until ``stop``."""
     try:
-        node = importlib.import_module("daybreak.agent.node")
+        from daybreak.agent.node import run_node_agent
     except ModuleNotFoundError as exc:
         if exc.name != "daybreak.agent.node":
             raise
         log.error("event=node_mode_unavailable reason=%r", "daybreak.agent.node is not part of this build")
         return 2
-    entry = getattr(node, "run", None) or getattr(node, "main", None)
-    if entry is None:
-        log.error("event=node_mode_unavailable reason=%r", "daybreak.agent.node has no run() or main()")
-        return 2
-    if inspect.iscoroutinefunction(entry):
-        async def _main() -> Any:
-            task = asyncio.ensure_future(entry(settings))
-            waiter = asyncio.ensure_future(asyncio.to_thread(stop.wait))
-            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-            stop.set()
-            return None if task.cancelled() else task.result()
 
-        result = asyncio.run(_main())
-    else:
-        result = entry(settings)
-    return int(result or 0)
+    async def _main() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        # SIGTERM sets the threading event (see run); mirror it into the node's asyncio event
+        # from a daemon thread (an executor thread would hold asyncio.run's shutdown).
+        def bridge() -> None:
+            stop.wait()
+            with contextlib.suppress(RuntimeError):  # the loop may be gone already
+                loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=bridge, daemon=True, name="stop-bridge").start()
+        kwargs = _store_hooks(server) if server is not None else {}
+        await run_node_agent(settings, stop=done, **kwargs)
+
+    try:
+        asyncio.run(_main())
+    except ValueError as exc:  # settings the node side cannot run with, named by field
+        log.error("event=node_mode_failed reason=%r", str(exc))
+        return 2
+    finally:
+        stop.set()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,14 +240,10 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if settings.standalone:
         return serve_store(settings, stop=stop)
-    if settings.token_file and settings.pool_name:
-        # The store runs in its own threads next to the node's async loop.
-        store_thread = threading.Thread(target=serve_store, args=(settings,), kwargs={"stop": stop},
-                                        name="store", daemon=False)
-        store_thread.start()
-        try:
-            return _run_node(settings, stop)
-        finally:
-            stop.set()
-            store_thread.join()
-    return _run_node(settings, stop)
+    # In a cluster the store serves the pool this node belongs to, next to the node side.
+    server = start_store(settings) if settings.token_file and settings.pool_name else None
+    try:
+        return _run_node(settings, stop, server)
+    finally:
+        if server is not None:
+            stop_store(server)
