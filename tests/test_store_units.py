@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,3 +211,22 @@ def test_engine_soft_pins_yield_only_when_nothing_else_can(store: BlockStore) ->
 def test_engine_rejects_bad_watermarks() -> None:
     with pytest.raises(ValueError, match="low_watermark"):
         BlockStore(StoreConfig(prefix="daybreak-x-y", dram_bytes=1 << 20, high_watermark=0.5, low_watermark=0.6))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--dram", "lots"], "--dram"),
+    (["--ssd", "1Gi"], "--ssd: needs --ssd-path"),
+    (["--high-watermark", "1.5"], "high_watermark"),
+])
+def test_agent_cli_rejects_bad_flags_naming_them(tmp_path: Path, args: list[str], message: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "daybreak", "agent", "--standalone", "--token-file",
+                          str(tmp_path / "t"), *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+def test_agent_cli_needs_a_token_file_standalone() -> None:
+    out = subprocess.run([sys.executable, "-m", "daybreak", "agent", "--standalone"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert out.returncode == 2 and "--token-file: required with --standalone" in out.stderr
