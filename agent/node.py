@@ -35,6 +35,7 @@ UsageSource = Callable[[], Mapping[str, int]]
 # (topology, usable NIC names) -> the registrar to use instead of opening our own (the rdma transport's).
 RegistrarFactory = Callable[[Topology, list[str]], MemoryRegistrar]
 RETRY_SECONDS = 5.0  # after a failed publish, well below the refresh period
+DRIFT_DEBOUNCE_SECONDS = 1.0
 
 
 class NodeAgent:
@@ -127,6 +128,9 @@ class NodeAgent:
                 await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
                 for w in waiters:
                     w.cancel()
+                if drifted.is_set() and not stop.is_set():
+                    # Another writer fighting over our labels must not turn this into a busy loop.
+                    await asyncio.sleep(DRIFT_DEBOUNCE_SECONDS)
                 if not stop.is_set():
                     await self.refresh()
         finally:
