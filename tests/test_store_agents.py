@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -226,12 +227,42 @@ def test_kill_an_agent_and_read_its_keys_from_replicas(pool: dict[str, object]) 
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
 
 
+LOADER = """
+import random, sys, time, zlib
+from pathlib import Path
+import numpy as np
+from daybreak.client import KVPoolClient
+
+endpoints, token, stop, log = sys.argv[1].split(","), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+c = KVPoolClient(endpoints=endpoints, token=token, namespace="ns", transport="tcp")
+value = lambda k: np.random.default_rng(zlib.crc32(k.encode())).integers(0, 256, 8192, dtype=np.uint8)
+written, misses, n = [], 0, 0
+while not stop.exists():
+    keys = [f"load-{n}-{i}" for i in range(8)]
+    n += 1
+    copies = c.batch_put(keys, [value(k) for k in keys])
+    written += [k for k, got in zip(keys, copies) if got]
+    sample = random.sample(written, min(16, len(written)))
+    out = [np.zeros(8192, np.uint8) for _ in sample]
+    for k, size, o in zip(sample, c.batch_get_into(sample, out), out):
+        if size != 8192 or not np.array_equal(o, value(k)):
+            misses += 1
+    time.sleep(0.01)
+log.write_text("\\n".join(written) + f"\\nmisses={misses}\\n")
+"""
+
+
 def test_elastic_pool_three_two_three_keeps_every_block(pool: dict[str, object]) -> None:
     ports = [free_port() for _ in range(3)]
     addresses = [f"127.0.0.1:{q}" for q in ports]
     agents = [start(pool, port=q, peers=[a for a in addresses if not a.endswith(f":{q}")]) for q in ports]
+    tmp = Path(pool["tmp"])  # type: ignore[arg-type]
     keys: list[str] = []
     data: list[np.ndarray] = []
+    # A second process keeps writing and reading through every change of membership.
+    loader = subprocess.Popen([sys.executable, "-c", LOADER, ",".join(addresses), token(pool), str(tmp / "stop"),
+                               str(tmp / "loaded")], env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/",
+                              stderr=subprocess.PIPE, text=True)
     with KVPoolClient(endpoints=addresses, token=token(pool), namespace="ns", transport="tcp") as c:
         def write(round_: int) -> None:
             new = [f"e{round_}-{i}" for i in range(40)]
@@ -246,11 +277,13 @@ def test_elastic_pool_three_two_three_keeps_every_block(pool: dict[str, object])
             assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
 
         write(0)
+        time.sleep(1)
         # 3 -> 2: the leaving agent hands its blocks to their new homes, then exits.
         assert agents[2].stop() == 0
         assert "event=handoff_done" in agents[2].log
         write(1)
         read_all()
+        time.sleep(1)
         # 2 -> 3: a fresh agent (empty memory) joins; blocks whose home it now is are pulled on read.
         cleanup_pool_agent = agents[2].address.replace(":", "_")
         for path in SHM_DIR.glob(f"daybreak-{pool['name']}-{cleanup_pool_agent}-*"):
@@ -261,8 +294,19 @@ def test_elastic_pool_three_two_three_keeps_every_block(pool: dict[str, object])
             time.sleep(0.2)
         assert len(c.members()) == 3
         write(2)
+        time.sleep(1)
+        (tmp / "stop").touch()
+        assert loader.wait(timeout=60) == 0, loader.stderr.read() if loader.stderr else ""
         read_all()
-        read_all()
+        # Everything the loader wrote during the changes is still there, byte for byte.
+        lines = (tmp / "loaded").read_text().split()
+        assert lines[-1] == "misses=0", lines[-1]
+        loaded = lines[:-1]
+        assert len(loaded) > 50
+        out = [np.zeros(8192, np.uint8) for _ in loaded]
+        assert c.batch_get_into(loaded, out) == [8192] * len(loaded)
+        for k, o in zip(loaded, out, strict=True):
+            assert np.array_equal(o, np.random.default_rng(zlib.crc32(k.encode())).integers(0, 256, 8192, dtype=np.uint8))
 
 
 def test_fill_past_high_watermark_keeps_leased_and_evicts_lru(pool: dict[str, object]) -> None:

@@ -259,6 +259,11 @@ class StoreServer:
         """Hand every block to its new homes among the remaining agents; returns blocks moved."""
         self.leaving = True
         self._heartbeat_once()  # tell the peers now rather than at the next tick
+        # Writes accepted before we started leaving must land before the snapshot below,
+        # or they would be left behind; new ones are already refused (LEAVING).
+        deadline = time.monotonic() + self.lease_seconds
+        while self.store.writing and time.monotonic() < deadline:
+            time.sleep(0.01)
         targets = self.live_ids(include_self=False)
         if not targets:
             log.info("event=handoff_skipped agent=%s reason=no_live_peers", self.agent_id)
