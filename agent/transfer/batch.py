@@ -89,7 +89,8 @@ class BatchHandle:
     After a request fails or times out the bytes of its destination range are undefined.
     """
 
-    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_pumps", "_remaining", "deadline", "results", "size")
+    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_pumps", "_remaining", "deadline", "handed_out",
+                 "results", "size")
 
     def __init__(self, size: int, *, deadline: float, on_expire: Callable[[BatchHandle], None] | None = None) -> None:
         self.size = size
@@ -103,6 +104,9 @@ class BatchHandle:
         self._done.acquire()
         self._callbacks: list[Callable[[BatchHandle], None]] = []
         self._pumps: list[Pump] | None = None
+        # set when submit returns: from then on a waiter may already be blocked, so transports
+        # must not leave answers for it to read (a fallback after a failure runs on another thread)
+        self.handed_out = False
         self._on_expire = on_expire
 
     # -- completion, called by the engine and transports -------------------------

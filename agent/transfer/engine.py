@@ -94,8 +94,8 @@ class RemoteSegment:
 class Job:
     """One request on its way: the resolved local view, its fallback chain and where in it it is."""
 
-    __slots__ = ("attempts", "batch", "chain", "errors", "index", "length", "local_device", "local_offset",
-                 "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
+    __slots__ = ("attempts", "batch", "bounce", "chain", "errors", "index", "length", "local_device",
+                 "local_offset", "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
 
     def __init__(self, *, batch: BatchHandle, index: int, op: Op, remote: RemoteSegment, remote_offset: int,
                  length: int, view: memoryview | None, local_segment: LocalSegment | None, local_offset: int,
@@ -115,6 +115,7 @@ class Job:
         self.attempts = 0
         self.errors: list[str] = []
         self.state: Any = None  # scratch for the transport that holds the job
+        self.bounce: Any = None  # the device buffer behind a host bounce ``view`` (staging)
 
     @property
     def transport(self) -> str:
@@ -267,7 +268,7 @@ class TransferEngine:
         self.breaker = breaker or CircuitBreaker()
         self._wanted = wanted
         self._verbs = verbs
-        self._runtime = runtime
+        self.runtime = runtime
         self._rdma_nics = list(rdma_nics) if rdma_nics else None
         self._topology = topology
         self._transports: dict[str, Transport] = {}
@@ -298,17 +299,17 @@ class TransferEngine:
 
             try:
                 self._transports["rdma"] = RdmaTransport(self, verbs=self._verbs, topology=self._topology,
-                                                         runtime=self._runtime, nics=self._rdma_nics)
+                                                         runtime=self.runtime, nics=self._rdma_nics)
             except RdmaUnavailable as exc:
                 log.info("transfer rdma disabled engine=%s cause=%r fallback=tcp", self.engine_id, str(exc))
         if "link" in self._wanted:
-            if self._runtime is None or not getattr(self._runtime, "devices", lambda: ())():
+            if self.runtime is None or not getattr(self.runtime, "devices", lambda: ())():
                 log.info("transfer link disabled engine=%s cause='no accelerator runtime with devices' fallback=shm,tcp",
                          self.engine_id)
             else:
                 from daybreak.agent.transfer.link import LinkTransport
 
-                self._transports["link"] = LinkTransport(self, self._runtime)
+                self._transports["link"] = LinkTransport(self, self.runtime)
         self._monitor.start()
         self._started = True
         log.info("transfer engine started engine=%s node=%s transports=%s tcp=%s", self.engine_id, self.node,
@@ -392,7 +393,9 @@ class TransferEngine:
             segment_id=segment_id, engine_id=self.engine_id, node=self.node, size=size,
             kind="device" if device is not None else "host",
             shm_name=shm.name if shm is not None and "shm" in self._transports else "",
-            tcp_endpoint=self.tcp_endpoint if buffer is not None else "", tcp_handle=handle,
+            # device memory is served over tcp by staging it through host memory
+            tcp_endpoint=self.tcp_endpoint if buffer is not None or self.runtime is not None else "",
+            tcp_handle=handle,
             rdma=segment.nic_regions, device=segment.device_region)
         with self._lock:
             self._segments[segment_id] = segment
@@ -436,22 +439,22 @@ class TransferEngine:
 
     # -- routing ------------------------------------------------------------------------------
     def _chain(self, remote: RemoteSegment, *, local_device: bool) -> tuple[str, ...]:
+        """Same node: link (device memory on either side) -> shm -> tcp; other node: rdma -> tcp.
+
+        shm and tcp reach device memory by staging it through host memory (the runtime's
+        D2H/H2D copies), so they stay in the chain as the fallbacks for link.
+        """
         d = remote.descriptor
         have = self._transports
         chain: list[str] = []
-        if d.kind == "device" or local_device:
-            # device memory moves device-to-device (link) or NIC-to-device (rdma, GDR); never
-            # silently through host memory
-            if remote.same_node and "link" in have and d.device is not None:
+        if remote.same_node:
+            if "link" in have and (d.kind == "device" or local_device):
                 chain.append("link")
-            if "rdma" in have and d.rdma and not remote.same_node:
-                chain.append("rdma")
-            return tuple(chain)
-        if remote.same_node and "shm" in have and d.shm_name:
-            chain.append("shm")
-        if not remote.same_node and "rdma" in have and d.rdma:
+            if "shm" in have and d.shm_name:
+                chain.append("shm")
+        elif "rdma" in have and d.rdma:
             chain.append("rdma")
-        if "tcp" in have and d.tcp_endpoint:
+        if "tcp" in have and d.tcp_endpoint and (not local_device or self.runtime is not None):
             chain.append("tcp")
         return tuple(chain)
 
@@ -476,6 +479,7 @@ class TransferEngine:
         self._dispatch(jobs)
         if not batch.settled():  # shm batches are already done here and need no watching
             self._monitor.watch(batch)
+        batch.handed_out = True
         return batch
 
     def transfer(self, requests: Sequence[TransferRequest], *, timeout_s: float | None = None) -> list[RequestResult]:
@@ -535,6 +539,8 @@ class TransferEngine:
             while job.pos < len(job.chain):
                 name = job.chain[job.pos]
                 transport = self._transports.get(name)
+                if transport is not None and job.view is None and name in ("shm", "tcp"):
+                    self._stage(job)  # device memory over a host transport: through a bounce buffer
                 if transport is not None and self.breaker.allow((name, job.peer)) and transport.supports(job):
                     groups.setdefault(name, []).append(job)
                     break
@@ -554,6 +560,31 @@ class TransferEngine:
                 for job in group:
                     self.job_path_failed(job, f"{type(exc).__name__}: {exc}", transport=name)
 
+    def _stage(self, job: Job) -> None:
+        """Give a device-memory job a host bounce buffer (filled now for WRITE, copied back on READ)."""
+        if job.local_device is None or self.runtime is None:
+            return
+        bounce = bytearray(job.length)
+        device = (job.local_segment.transport_state["device_buffer"] if job.local_segment is not None
+                  else DeviceBuffer(job.local_device.device, job.local_device.ptr, job.local_device.size))
+        try:
+            if job.op is Op.WRITE:
+                self.runtime.copy_to_host(bounce, device, offset=job.local_offset)
+        except Exception as exc:
+            job.errors.append(f"staging through host memory: {exc}")
+            return
+        job.view = memoryview(bounce)
+        job.bounce = device
+
+    def _unstage(self, job: Job) -> str:
+        """Copy a staged READ into device memory; returns an error text or ''."""
+        if job.op is Op.READ and job.view is not None and self.runtime is not None:
+            try:
+                self.runtime.copy_to_device(job.bounce, job.view, offset=job.local_offset)
+            except Exception as exc:
+                return f"copy from the host bounce buffer to the device failed: {exc}"
+        return ""
+
     # -- reports from transports ----------------------------------------------------------------
     def job_done(self, job: Job, *, transport: str) -> None:
         self.jobs_done([job], transport)
@@ -566,6 +597,11 @@ class TransferEngine:
         for job in jobs:
             if not self._current(job, name):
                 continue
+            if job.bounce is not None:
+                problem = self._unstage(job)
+                if problem:
+                    self.job_path_failed(job, problem, transport=name)
+                    continue
             if job.batch.finish(job.index, Status.COMPLETED, transport=name):
                 job.batch.results[job.index].attempts = job.attempts
                 slot = 1 if job.op is Op.WRITE else 0

@@ -22,11 +22,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from daybreak.agent.transfer.batch import Op, TransferRequest
-from daybreak.agent.transfer.engine import RemoteSegment, TransferEngine
+from daybreak.agent.transfer.engine import LocalSegment, RemoteSegment, TransferEngine
 from daybreak.agent.transfer.segment import ShmSegment
 
 
@@ -35,7 +36,8 @@ class PeerProcess:
 
     def __init__(self, *, segment_bytes: int, shm_name: str = "", node: str = "", listen: str = "127.0.0.1:0",
                  transports: str = "shm,tcp", checksum: bool = False, tcp_connections: int = 2,
-                 slice_bytes: int = 4 << 20, prefix: Sequence[str] = (), log_level: str = "WARNING") -> None:
+                 slice_bytes: int = 4 << 20, prefix: Sequence[str] = (), log_level: str = "WARNING",
+                 device: int = -1, runtime: str = "auto", sunrise_lib_dir: str = "") -> None:
         argv = [*prefix, sys.executable, "-m", "daybreak.agent.transfer.peerproc",
                 "--segment-bytes", str(segment_bytes), "--listen", listen, "--transports", transports,
                 "--tcp-connections", str(tcp_connections), "--slice-bytes", str(slice_bytes),
@@ -46,6 +48,8 @@ class PeerProcess:
             argv += ["--node", node]
         if checksum:
             argv.append("--checksum")
+        if device >= 0:
+            argv += ["--device", str(device), "--runtime", runtime, "--sunrise-lib-dir", sunrise_lib_dir]
         self.shm_name = shm_name
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -104,6 +108,19 @@ class PeerProcess:
         self.close()
 
 
+def _hash(segment: LocalSegment, runtime: Any, offset: int, length: int) -> str:
+    """sha256 of a segment range, host or device memory (read out in 64 MiB pieces)."""
+    if segment.buffer is not None:
+        return hashlib.sha256(segment.buffer[offset:offset + length]).hexdigest()
+    digest = hashlib.sha256()
+    chunk = bytearray(min(length, 64 << 20))
+    for start in range(offset, offset + length, len(chunk)):
+        piece = memoryview(chunk)[:min(len(chunk), offset + length - start)]
+        runtime.copy_to_host(piece, segment.transport_state["device_buffer"], offset=start)
+        digest.update(piece)
+    return digest.hexdigest()
+
+
 def pattern(seed: int, length: int) -> bytes:
     """Deterministic pseudo-random bytes, the same in every process (AES-CTR keyed by the seed: GB/s)."""
     encryptor = Cipher(algorithms.AES(seed.to_bytes(16, "little")), modes.CTR(bytes(16))).encryptor()
@@ -121,17 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice-bytes", type=int, default=4 << 20)
     parser.add_argument("--checksum", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--device", type=int, default=-1, help="put the segment in this accelerator's memory")
+    parser.add_argument("--runtime", default="auto", help="accelerator runtime for --device (auto, sunrise, nvidia)")
+    parser.add_argument("--sunrise-lib-dir", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
+    runtime: Any = None
     shm = ShmSegment.create(args.shm_name, args.segment_bytes) if args.shm_name else None
     memory: object = shm if shm is not None else bytearray(args.segment_bytes)
+    if args.device >= 0:
+        from daybreak.agent.runtime import load_runtime
+
+        runtime = load_runtime(args.runtime, sunrise_lib_dir=args.sunrise_lib_dir).runtime
+        memory = runtime.allocate(args.device, args.segment_bytes)
     engine = TransferEngine(node=args.node or None, listen=args.listen, transports=args.transports.split(","),
                             tcp_connections=args.tcp_connections, slice_bytes=args.slice_bytes,
-                            checksum=args.checksum).start()
+                            checksum=args.checksum, runtime=runtime).start()
     segment = engine.register_segment(memory, name=args.shm_name or "peer")
     view = segment.buffer
-    assert view is not None
     remotes: list[RemoteSegment] = []
     print(segment.descriptor.to_json(), flush=True)
     try:
@@ -144,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if command == "hash":
                 off, length = map(int, rest.split())
-                print(hashlib.sha256(view[off:off + length]).hexdigest(), flush=True)
+                print(_hash(segment, runtime, off, length), flush=True)
             elif command == "fill":
                 seed, off, length = map(int, rest.split())
-                view[off:off + length] = pattern(seed, length)
+                if view is not None:
+                    view[off:off + length] = pattern(seed, length)
+                else:
+                    runtime.copy_to_device(memory, pattern(seed, length), offset=off)
                 print("ok", flush=True)
             elif command == "open":
                 remotes.append(engine.open_remote(rest.strip()))
@@ -157,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 requests = []
                 for item in spec.split(","):
                     op, rid, loff, roff, size = item.split(":")
-                    requests.append(TransferRequest(Op(op), remotes[int(rid)], int(roff), view,
+                    requests.append(TransferRequest(Op(op), remotes[int(rid)], int(roff), segment,
                                                     local_offset=int(loff), length=int(size)))
                 results = engine.submit(requests, timeout_s=float(timeout)).wait()
                 print(json.dumps([{"status": r.status.value, "transport": r.transport, "error": r.error}

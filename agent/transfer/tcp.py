@@ -203,13 +203,16 @@ class _Peer:
     def _send_inline(self, frame: _Frame) -> bool:
         for conn in self.conns:
             if conn.alive and conn.send_lock.acquire(blocking=False):
+                # only while submit has not returned can the caller's wait() be the reader
+                sync = not frame.batch.handed_out
                 try:
-                    frame.sync = True
+                    frame.sync = sync
                     if not conn.send(frame):
                         return False
                 finally:
                     conn.send_lock.release()
-                frame.batch.add_pump(conn)
+                if sync:
+                    frame.batch.add_pump(conn)
                 return True
         return False
 
@@ -637,25 +640,39 @@ class _ServerConn:
         body = message.encode()[: wire.MAX_MESSAGE]
         self.sock.sendall(wire.pack_header(wire.FrameType.ERROR, frame_id=frame_id, payload_len=len(body)) + body)
 
-    def _extents(self, hdr: wire.Header, *, payload_len: int | None) -> tuple[list[wire.Extent], list[memoryview], str]:
+    def _extents(self, hdr: wire.Header, *, payload_len: int | None,
+                 ) -> tuple[list[wire.Extent], list[memoryview], list[tuple[Any, int, memoryview]], str]:
+        """Decode a frame's extents into views of the target segments.
+
+        Device segments get a host bounce view each; the third list says where each bounce
+        belongs ``(device buffer, offset, bounce)`` so the caller copies it in or out.
+        """
         table = bytearray(hdr.count * wire.EXTENT.size)
         _recv_exact(self.sock, memoryview(table))
         extents = wire.parse_extents(table, hdr.count, payload_len=payload_len)
         if sum(e.length for e in extents) > wire.MAX_PAYLOAD:
             raise wire.MalformedFrame("extents add up to more than a frame may carry")
         views: list[memoryview] = []
+        staged: list[tuple[Any, int, memoryview]] = []
         for extent in extents:
             segment: LocalSegment | None = self.engine.served_segment(extent.segment)
-            if segment is None or segment.buffer is None:
-                return extents, [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
+            if segment is None:
+                return extents, [], [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
             if extent.offset + extent.length > segment.size:
-                return extents, [], (f"range {extent.offset}+{extent.length} outside segment "
-                                     f"{segment.segment_id} of {segment.size} bytes")
-            views.append(segment.buffer[extent.offset:extent.offset + extent.length])
-        return extents, views, ""
+                return extents, [], [], (f"range {extent.offset}+{extent.length} outside segment "
+                                         f"{segment.segment_id} of {segment.size} bytes")
+            if segment.buffer is not None:
+                views.append(segment.buffer[extent.offset:extent.offset + extent.length])
+            elif self.engine.runtime is not None and segment.device is not None:
+                bounce = memoryview(bytearray(extent.length))
+                views.append(bounce)
+                staged.append((segment.transport_state["device_buffer"], extent.offset, bounce))
+            else:
+                return extents, [], [], f"segment {segment.segment_id} is device memory and no runtime can stage it"
+        return extents, views, staged, ""
 
     def _write(self, hdr: wire.Header) -> None:
-        extents, views, problem = self._extents(hdr, payload_len=hdr.payload_len)
+        extents, views, staged, problem = self._extents(hdr, payload_len=hdr.payload_len)
         if problem:
             # well-formed frame, wrong target: skip its payload and keep the connection
             scratch = memoryview(bytearray(min(_DRAIN, max(1, hdr.payload_len))))
@@ -673,10 +690,22 @@ class _ServerConn:
                 if crc32c.crc32c(view) != extent.crc:
                     self._error(hdr.frame_id, f"crc32c mismatch in slice at offset {extent.offset}")
                     return
+        try:
+            for device, offset, bounce in staged:
+                self.engine.runtime.copy_to_device(device, bounce, offset=offset)
+        except Exception as exc:
+            self._error(hdr.frame_id, f"copy into device memory failed: {exc}")
+            return
         self.sock.sendall(wire.pack_header(wire.FrameType.ACK, frame_id=hdr.frame_id))
 
     def _read(self, hdr: wire.Header) -> None:
-        extents, views, problem = self._extents(hdr, payload_len=None)
+        extents, views, staged, problem = self._extents(hdr, payload_len=None)
+        if not problem:
+            try:
+                for device, offset, bounce in staged:
+                    self.engine.runtime.copy_to_host(bounce, device, offset=offset)
+            except Exception as exc:
+                problem = f"copy out of device memory failed: {exc}"
         if problem:
             self._error(hdr.frame_id, problem)
             return
