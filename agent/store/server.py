@@ -176,6 +176,15 @@ class StoreServer:
                     return x.address
         return agent_id
 
+    def set_peers(self, addresses: list[str]) -> None:
+        """Replace the peer list (in a cluster: the pool's published endpoints); new ones are pinged next tick."""
+        wanted = {a for a in addresses if a and a != self.address}
+        with self._peers_lock:
+            for gone in set(self._peers) - wanted:
+                del self._peers[gone]
+            for address in wanted - set(self._peers):
+                self._peers[address] = Peer(address)
+
     def _heard(self, member: p.Member) -> None:
         if member.address == self.address:
             return
