@@ -35,6 +35,7 @@ thread: a dead or hung peer fails (connection lost) or times out the requests to
 ``wait`` never blocks past the deadline.
 """
 
+from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import (
     BatchHandle,
     Op,
@@ -64,4 +65,6 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "TransferRequest",
+    "metrics",
+    "wire",
 ]
