@@ -208,7 +208,7 @@ class StoreServer:
                         self._heard(member)
             except Exception as exc:  # any failure counts as a missed heartbeat
                 with self._peers_lock:
-                    peer = self._peers[address]
+                    peer = self._peers.get(address) or Peer(address)  # may have been removed meanwhile
                     peer.failures += 1
                     if peer.live and peer.failures >= DEAD_AFTER_FAILURES:
                         peer.live = False
