@@ -24,8 +24,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
 from daybreak.agent.transfer.batch import Op, TransferRequest
 from daybreak.agent.transfer.engine import LocalSegment, RemoteSegment, TransferEngine
 from daybreak.agent.transfer.segment import ShmSegment
@@ -123,6 +121,8 @@ def _hash(segment: LocalSegment, runtime: Any, offset: int, length: int) -> str:
 
 def pattern(seed: int, length: int) -> bytes:
     """Deterministic pseudo-random bytes, the same in every process (AES-CTR keyed by the seed: GB/s)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
     encryptor = Cipher(algorithms.AES(seed.to_bytes(16, "little")), modes.CTR(bytes(16))).encryptor()
     return encryptor.update(bytes(length)) + encryptor.finalize()
 
