@@ -284,6 +284,8 @@ def bench_ours(server: Host, client: Host, *, transport: str, sizes: dict[str, i
     agent = LocalAgent(address=f"{server.address}:{_free_port()}", token_file=token, pool=pool, dram=dram,
                        netns=server.prefix[-1] if server.prefix else "")
     agent.start()
+    # A serving agent has its tier backed by memory long before this; do not time the start-up fill.
+    agent.wait_for("event=prefault_", timeout_seconds=120)
     try:
         results = {}
         for label, size in sizes.items():
@@ -374,6 +376,7 @@ def bench_rss(*, gib: int, work: Path) -> dict[str, Any]:
     agent = LocalAgent(address=f"127.0.0.1:{_free_port()}", token_file=token, pool=pool, dram=f"{gib}Gi",
                        extra=["--high-watermark", "1.0", "--low-watermark", "0.95"])
     agent.start()
+    agent.wait_for("event=prefault_", timeout_seconds=300)
     try:
         # 1 MiB blocks, 90% of the tier (below the high watermark, so nothing is evicted).
         batches = int(gib * 1024 * 0.9) // BATCH

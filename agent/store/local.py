@@ -118,6 +118,17 @@ class LocalAgent:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
+    def wait_for(self, text: str, *, timeout_seconds: float = 60.0) -> bool:
+        """Wait until a log line contains ``text`` (for example ``event=prefault_done``)."""
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
     @property
     def log(self) -> str:
         return "".join(self.lines)

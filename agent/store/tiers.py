@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,10 +120,13 @@ class DramTier:
         tier costs about a second per GiB here.
         """
         chunk = 64 << 20
+        started = time.monotonic()
         for seg in list(self.segments):
             for start in range(0, seg.size, chunk):
                 if not populate(seg, start, min(chunk, seg.size - start), write=True):
+                    log.info("event=prefault_stopped reason=madvise_unavailable_or_closed")
                     return
+        log.info("event=prefault_done bytes=%d seconds=%.2f", self.capacity, time.monotonic() - started)
 
     def _replay(self) -> list[Adopted]:
         try:
