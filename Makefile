@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv tools lint typecheck test demo bench bench-deps crds clean help
+.PHONY: all venv tools rdma-deps lint typecheck test demo bench bench-deps crds clean help
 
 all: test
 
@@ -33,6 +33,10 @@ $(STAMP): pyproject.toml
 tools: venv
 	$(BIN)/daybreak dev tools
 
+# Optional RDMA bindings from the distribution (see hack/pyverbs.sh).
+rdma-deps: venv
+	@hack/pyverbs.sh $(BIN)/python
+
 lint: venv
 	$(BIN)/ruff check .
 
@@ -40,7 +44,7 @@ typecheck: venv
 	$(BIN)/python hack/linktree.py
 	$(BIN)/mypy
 
-test: venv tools lint typecheck
+test: venv tools rdma-deps lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: venv tools
