@@ -217,6 +217,9 @@ class _Peer:
         return False
 
     def _ensure_connections(self, deadline: float) -> None:
+        conns = self.conns
+        if len(conns) >= self.engine.tcp_connections and all(c.alive for c in conns):
+            return  # the common case, without the lock
         with self.lock:
             alive = [c for c in self.conns if c.alive]
             self.conns = alive
@@ -601,12 +604,37 @@ class _ServerConn:
         self.engine = engine
         self.sock = sock
         self.peer = peer
-        self.header = bytearray(wire.HEADER.size)
+        # a header and the first extent usually arrive together: read both in one call
+        self.head = memoryview(bytearray(2 * wire.HEADER.size))
+        self.spill = memoryview(b"")  # bytes read past a header, handed out before the socket's
+
+    def _next_header(self) -> wire.Header:
+        if len(self.spill) >= wire.HEADER.size:
+            hdr = wire.parse_header(self.spill[:wire.HEADER.size])
+            self.spill = self.spill[wire.HEADER.size:]
+            return hdr
+        got = len(self.spill)
+        self.head[:got] = self.spill
+        while got < wire.HEADER.size:
+            n = self.sock.recv_into(self.head[got:], len(self.head) - got)
+            if not n:
+                raise ConnectionError("peer closed the connection")
+            got += n
+        hdr = wire.parse_header(self.head[:wire.HEADER.size])
+        self.spill = memoryview(bytes(self.head[wire.HEADER.size:got]))
+        return hdr
+
+    def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view``: first from bytes already read past the header, then straight from the socket."""
+        take = min(len(self.spill), view.nbytes)
+        if take:
+            view[:take] = self.spill[:take]
+            self.spill = self.spill[take:]
+        if take < view.nbytes:
+            _recv_exact(self.sock, view[take:])
 
     def run(self) -> None:
-        header = memoryview(self.header)
-        _recv_exact(self.sock, header)
-        hdr = wire.parse_header(header)
+        hdr = self._next_header()
         if hdr.type is not wire.FrameType.HELLO:
             raise wire.MalformedFrame(f"expected HELLO first, got {hdr.type.name}")
         hello = self._message(hdr.payload_len)
@@ -620,8 +648,7 @@ class _ServerConn:
         body = json.dumps({"engine_id": self.engine.engine_id}).encode()
         self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
         while True:
-            _recv_exact(self.sock, header)
-            hdr = wire.parse_header(header)
+            hdr = self._next_header()
             if hdr.type is wire.FrameType.WRITE:
                 self._write(hdr)
             elif hdr.type is wire.FrameType.READ:
@@ -633,7 +660,7 @@ class _ServerConn:
 
     def _message(self, size: int) -> bytes:
         buf = bytearray(size)
-        _recv_exact(self.sock, memoryview(buf))
+        self._recv_into(memoryview(buf))
         return bytes(buf)
 
     def _error(self, frame_id: int, message: str) -> None:
@@ -648,7 +675,7 @@ class _ServerConn:
         belongs ``(device buffer, offset, bounce)`` so the caller copies it in or out.
         """
         table = bytearray(hdr.count * wire.EXTENT.size)
-        _recv_exact(self.sock, memoryview(table))
+        self._recv_into(memoryview(table))
         extents = wire.parse_extents(table, hdr.count, payload_len=payload_len)
         if sum(e.length for e in extents) > wire.MAX_PAYLOAD:
             raise wire.MalformedFrame("extents add up to more than a frame may carry")
@@ -679,12 +706,12 @@ class _ServerConn:
             left = hdr.payload_len
             while left:
                 chunk = min(left, len(scratch))
-                _recv_exact(self.sock, scratch[:chunk])
+                self._recv_into(scratch[:chunk])
                 left -= chunk
             self._error(hdr.frame_id, problem)
             return
         for view in views:
-            _recv_exact(self.sock, view)
+            self._recv_into(view)
         if hdr.flags & wire.FLAG_CRC:
             for extent, view in zip(extents, views, strict=True):
                 if crc32c.crc32c(view) != extent.crc:
