@@ -11,6 +11,7 @@ refuses to write when this process is not the leader any more.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import logging
@@ -100,11 +101,7 @@ class Applier:
         if parent is not None and owned:
             meta["ownerReferences"] = [owner_reference(parent)]
         before = self._cached(kind.kind, meta.get("namespace"), meta["name"])
-        try:
-            obj, created = await self.client.apply(body)
-        except KubeError as exc:
-            metrics.API_ERRORS.labels(status=str(exc.status)).inc()
-            raise
+        obj, created = await self.client.apply(body)  # errors are counted once, by the reconcile that failed
         if created:
             outcome = "created"
         elif before is not None and _manager_time(before) != _manager_time(obj):
@@ -112,10 +109,24 @@ class Applier:
         else:
             outcome = "unchanged"
         metrics.CHILDREN_APPLIED.labels(kind=kind.kind, outcome=outcome).inc()
-        if parent is not None and outcome != "unchanged":
-            verb = "Created" if created else "Updated"
-            self.events.record(parent, reason=verb, message=f"{verb.lower()} {kind.kind} {meta['name']}")
         return ApplyResult(obj, outcome)
+
+    async def apply_all(self, parent: Manifest, children: list[tuple[Manifest, dict[str, str]]], *,
+                        concurrent: bool = False) -> list[ApplyResult]:
+        """Apply ``(manifest, labels)`` pairs as children of ``parent``; one Event per outcome sums them up.
+
+        ``concurrent`` for independent children; otherwise in order (a ServiceAccount before the
+        DaemonSet whose pods use it).
+        """
+        if concurrent:
+            results = list(await asyncio.gather(*(self.apply(parent, m, labels=labels) for m, labels in children)))
+        else:
+            results = [await self.apply(parent, m, labels=labels) for m, labels in children]
+        for outcome, reason in (("created", "Created"), ("updated", "Updated")):
+            names = [f"{r.obj.get('kind')} {r.obj['metadata']['name']}" for r in results if r.outcome == outcome]
+            if names:
+                self.events.record(parent, reason=reason, message=f"{outcome} {', '.join(names)}")
+        return results
 
     async def create_once(self, parent: Manifest, manifest: Manifest, *, labels: dict[str, str]) -> Manifest:
         """Create ``manifest`` if absent and never modify it afterwards (generated secrets must not rotate)."""
@@ -135,7 +146,6 @@ class Applier:
         except KubeError as exc:
             if exc.conflict:  # created concurrently (a previous leader): keep theirs
                 return await self.client.get(kind, meta["name"], namespace=namespace)
-            metrics.API_ERRORS.labels(status=str(exc.status)).inc()
             raise
         metrics.CHILDREN_APPLIED.labels(kind=kind.kind, outcome="created").inc()
         self.events.record(parent, reason="Created", message=f"created {kind.kind} {meta['name']}")

@@ -85,6 +85,8 @@ class Controller:
         self.applier = Applier(client, events=self.events, fence=fence, cache=self._cached_child)
         self.queue: Any = None  # created in start(): it needs the running loop
         self.pools: dict[tuple[str, str], Manifest] = {}
+        # Latest PDDeployment bodies from the watch (and our own status writes): a reconcile reads no GET.
+        self.pdds: dict[tuple[str, str], Manifest] = {}
         self.children: dict[tuple[str, str, str], Manifest] = {}
         self.needs_apply: set[Key] = set()
         self.applied: set[Key] = set()
@@ -188,11 +190,13 @@ class Controller:
         key: Key = (PDD, ns, name)
         if type_ == "DELETED":
             self.pool_of.pop((ns, name), None)
+            self.pdds.pop((ns, name), None)
             for cache in (self.generations, self.own_status_rv, self.last_reconciled):
                 cache.pop(key, None)
             self.applied.discard(key)
             return  # the garbage collector removes the children (owner references)
         self.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
+        self.pdds[(ns, name)] = obj
         if meta.get("resourceVersion") == self.own_status_rv.get(key):
             return
         generation = int(meta.get("generation") or 0)
@@ -305,6 +309,8 @@ class Controller:
         rv = (updated.get("metadata") or {}).get("resourceVersion")
         if rv:
             self.own_status_rv[key] = rv
+        cache = self.pdds if key[0] == PDD else self.pools
+        cache[(key[1], key[2])] = updated
         return updated
 
     # -- KVPool -------------------------------------------------------------------------------------
@@ -335,10 +341,9 @@ class Controller:
                         "Ready", "False", "SecretNotFound",
                         f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
                         f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
-            for manifest in desired.applied:
-                result = await self.applier.apply(body, manifest, labels=labels)
+            for result in await self.applier.apply_all(body, [(m, labels) for m in desired.applied]):
                 if result.obj.get("kind") == "DaemonSet":
-                    self.children[("DaemonSet", ns, manifest["metadata"]["name"])] = _slim(result.obj)
+                    self.children[("DaemonSet", ns, result.obj["metadata"]["name"])] = _slim(result.obj)
             if desired.cluster_binding is not None:
                 await self.applier.apply(None, desired.cluster_binding, labels={}, owned=False)
             self.applied.add(key)
@@ -398,7 +403,9 @@ class Controller:
     # -- PDDeployment ------------------------------------------------------------------------------
     async def reconcile_pdd(self, ns: str, name: str, *, full: bool) -> str:
         key: Key = (PDD, ns, name)
-        body = await self.client.get_or_none(PDDEPLOYMENT, name, namespace=ns)
+        body = self.pdds.get((ns, name))
+        if body is None:
+            body = await self.client.get_or_none(PDDEPLOYMENT, name, namespace=ns)
         if body is None:
             self.applied.discard(key)
             return "gone"
@@ -437,8 +444,8 @@ class Controller:
         if full:
             desired = pdd_mod.build(pdd, pool, image=self.settings.image)
             before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
-            results = await asyncio.gather(*(
-                self.applier.apply(body, m, labels=pdd_mod.labels_for(pdd, role)) for role, m in desired.applied))
+            results = await self.applier.apply_all(
+                body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
             for result in results:
                 if result.obj.get("kind") == "Deployment":
                     meta = result.obj["metadata"]
@@ -526,6 +533,10 @@ class Controller:
                 key: Key = (kind, meta["namespace"], meta["name"])
                 if kind == POOL:
                     live.add((meta["namespace"], meta["name"]))
+                else:
+                    obj.setdefault("apiVersion", PDDEPLOYMENT.api_version)
+                    obj.setdefault("kind", PDD)
+                    self.pdds[(meta["namespace"], meta["name"])] = obj  # fresh from the LIST
                 self.needs_apply.add(key)
                 self.queue.add(key)
         await self.sweep_cluster_bindings(live)
