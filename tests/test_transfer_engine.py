@@ -97,6 +97,19 @@ def test_mixed_sizes_arrive_byte_exact(peer_factory: list[PeerProcess], transpor
             assert _sha(sink) == _sha(pattern(100 + i, size)) == peer.hash(off, size), f"READ of {size} bytes differs"
 
 
+def test_same_node_segment_reads_in_place(peer_factory: list[PeerProcess]) -> None:
+    shm_name = _unique("dbt-inplace")
+    node = _unique("node")
+    peer = _start(peer_factory, segment_bytes=MiB, shm_name=shm_name, node=node)
+    peer.fill(11, 0, MiB)
+    with TransferEngine(node=node, transports=("shm", "tcp")) as engine:
+        view = engine.map_remote(engine.open_remote(peer.descriptor))
+        assert bytes(view[:MiB]) == pattern(11, MiB)  # zero copies: the peer's pages themselves
+    with TransferEngine(node=_unique("elsewhere"), transports=("shm", "tcp")) as engine:
+        with pytest.raises(ValueError, match="cannot be mapped here"):
+            engine.map_remote(engine.open_remote(peer.descriptor))
+
+
 def test_asyncio_await_and_local_segment_offsets(peer_factory: list[PeerProcess], engine: TransferEngine) -> None:
     peer = _start(peer_factory, segment_bytes=8 * MiB, node=_unique("far"))
     local = engine.register_segment(bytearray(8 * MiB), name="staging")

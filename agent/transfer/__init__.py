@@ -20,6 +20,10 @@ Quick tour (one engine per process; every call is thread-safe)::
         print(r.status.value, r.transport, r.error)   # r.error: the cause, per transport tried
     batch.raise_for_status()                    # TransferError listing what did not complete
     engine.transfer([...])                      # submit + wait + raise_for_status
+    view = engine.map_remote(remote)            # same node + shm: read the peer's pages in place
+
+Device memory: pass ``runtime=`` (a ``daybreak.agent.runtime`` runtime) and register its
+``DeviceBuffer``; requests then use link (same node), rdma, or shm/tcp staged through host memory.
 
 Local side of a request: any buffer (``memoryview``/``bytearray``/``mmap``, writable for
 READ) or a registered ``LocalSegment`` with ``local_offset``; ``length`` defaults to the
@@ -27,6 +31,7 @@ rest of it. Bad input raises ``ValueError`` naming the field before anything mov
 
 Transports, picked per request from the descriptor and this node (``engine.route(remote)``
 shows the chain): same node: link (device memory) -> shm -> tcp; other node: rdma -> tcp.
+docs/transfer.md has the details (wire format, rdma, link, failure handling).
 A path that fails moves the request down its chain; one that keeps failing is tripped by
 ``CircuitBreaker`` for a cool-down that doubles while it keeps failing (metrics
 ``daybreak_transfer_path_trips_total`` / ``..._recoveries_total``). shm copies run inline in

@@ -437,6 +437,19 @@ class TransferEngine:
             self._remotes[descriptor.segment_id] = remote
         return remote
 
+    def map_remote(self, remote: RemoteSegment) -> memoryview:
+        """The peer's segment mapped into this process, to read or write in place (zero copies).
+
+        Only for a segment on this node with a /dev/shm name; raises ``ValueError`` otherwise.
+        The caller orders its accesses with the peer (a store lease, say): nothing here does.
+        """
+        shm = self._transports.get("shm")
+        if shm is None or not remote.same_node or not remote.descriptor.shm_name:
+            raise ValueError(f"remote: segment {remote.segment_id} cannot be mapped here: it needs the same node "
+                             f"and a /dev/shm name (node={remote.descriptor.node!r}, this engine: {self.node!r})")
+        view: memoryview = shm.map(remote)  # type: ignore[attr-defined]
+        return view
+
     # -- routing ------------------------------------------------------------------------------
     def _chain(self, remote: RemoteSegment, *, local_device: bool) -> tuple[str, ...]:
         """Same node: link (device memory on either side) -> shm -> tcp; other node: rdma -> tcp.

@@ -26,7 +26,7 @@ class ShmTransport(Transport):
     def supports(self, job: Job) -> bool:
         return job.view is not None and job.remote.same_node and bool(job.remote.descriptor.shm_name)
 
-    def _map(self, remote: RemoteSegment) -> memoryview:
+    def map(self, remote: RemoteSegment) -> memoryview:
         view = remote.transport_state.get("shm")
         if view is None:
             segment = ShmSegment.attach(remote.descriptor.shm_name)
@@ -42,7 +42,7 @@ class ShmTransport(Transport):
         done: list[Job] = []
         for job in jobs:
             try:
-                mapped = self._map(job.remote)
+                mapped = self.map(job.remote)
             except (OSError, ValueError) as exc:
                 self._engine.job_path_failed(job, f"cannot map /dev/shm/{job.remote.descriptor.shm_name}: {exc}", transport=self.name)
                 continue
