@@ -58,6 +58,16 @@ class AgentSettings(BaseModel):
     low_watermark: float = Field(0.8, ge=0, lt=1, description="tier fill fraction eviction frees down to")
     lease_seconds: int = Field(10, ge=1, le=3600, description="how long a reader's lease protects a block")
 
+    # -- transfer engine ------------------------------------------------------------
+    transfer_listen: str = Field("0.0.0.0:0", description="host:port of the transfer engine's tcp server; "
+                                 "port 0 picks a free one")
+    transfer_advertise: str = Field("", description="host:port put into segment descriptors; empty means the "
+                                    "bound address")
+    transfer_connections: int = Field(2, ge=1, le=64, description="tcp connections per peer engine")
+    transfer_slice_bytes: int = Field(4 << 20, ge=4096, le=256 << 20, description="largest tcp slice in bytes")
+    transfer_checksum: bool = Field(False, description="crc32c every tcp slice")
+    transfer_timeout_seconds: float = Field(30.0, gt=0, description="default deadline of a transfer batch")
+
     @classmethod
     def load(cls, *, config_file: str | None = None, overrides: dict[str, Any] | None = None,
              environ: dict[str, str] | None = None) -> AgentSettings:

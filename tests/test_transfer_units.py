@@ -144,6 +144,16 @@ def test_engine_rejects_bad_settings() -> None:
         TransferEngine().submit([])
 
 
+def test_engine_from_agent_settings() -> None:
+    from daybreak.agent.settings import AgentSettings
+
+    settings = AgentSettings.load(environ={"DAYBREAK_TRANSFER_LISTEN": "127.0.0.1:0", "DAYBREAK_NODE_NAME": "n7",
+                                           "DAYBREAK_TRANSFER_CHECKSUM": "true", "DAYBREAK_TRANSFER_CONNECTIONS": "3"})
+    with TransferEngine.from_settings(settings, token="t") as engine:
+        assert (engine.node, engine.checksum, engine.tcp_connections) == ("n7", True, 3)
+        assert engine.tcp_endpoint.startswith("127.0.0.1:")
+
+
 # -- tcp server robustness -------------------------------------------------------------------------------
 def _hello(sock: socket.socket, token: str) -> wire.Header:
     body = json.dumps({"engine_id": "unit", "token": token}).encode()

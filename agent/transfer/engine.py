@@ -282,6 +282,16 @@ class TransferEngine:
         self._started = False
         self._closed = False
 
+    @classmethod
+    def from_settings(cls, settings: Any, *, token: str = "", runtime: Any = None, topology: Any = None,
+                      verbs: Any = None) -> TransferEngine:
+        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``)."""
+        return cls(node=settings.node_name or None, listen=settings.transfer_listen,
+                   advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
+                   slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
+                   timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
+                   rdma_nics=settings.rdma_devices or None)
+
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TransferEngine:
         """Start the tcp server and probe rdma/link; returns self. Idempotent."""
