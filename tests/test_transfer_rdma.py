@@ -409,3 +409,16 @@ def test_retry_avoids_the_nic_that_failed() -> None:
         plan([SliceSpec("h", None)], view=VIEW, live=["mlx5_0"], exclude={"h": ["mlx5_0"]})
     with pytest.raises(NoPath):
         plan([SliceSpec("h", None)], view=VIEW, live=[])
+
+
+def test_planner_on_a_discovered_eight_gpu_node() -> None:
+    from pathlib import Path
+
+    from daybreak.agent.topology import discover
+
+    view = TopologyView.from_topology(discover(Path(__file__).parent / "fixtures" / "sysfs" / "dgx8"))
+    assert "mlx5_5" not in view.nics  # its port is DOWN
+    placed = plan([SliceSpec(("g6", i), 6) for i in range(4)] + [SliceSpec(("g0", 0), 0)], view=view, live=view.nics)
+    # GPU6 has two NICs under its switch and stripes over both; GPU0 uses its own
+    assert [p.nic for p in placed] == ["mlx5_6", "mlx5_7", "mlx5_6", "mlx5_7", "mlx5_0"]
+    assert not any(p.stage_host or p.stage_device is not None for p in placed)

@@ -31,7 +31,9 @@ class TopologyView:
     def from_topology(cls, topology: Any) -> TopologyView:
         """Adapt ``daybreak.agent.topology.Topology`` (ids like GPU0/NIC1) to device indices and NIC names."""
         names = {d.id: d.name for d in topology.nics}
-        index = {d.id: d.runtime_index for d in topology.gpus if d.runtime_index is not None}
+        # runtime order where a runtime reported the devices; else the topology's GPU<n> numbering
+        index = {d.id: d.runtime_index if d.runtime_index is not None else int(d.id[3:])
+                 for d in topology.gpus if d.runtime_index is not None or d.id[3:].isdigit()}
         view = cls(nics=[d.name for d in topology.nics if d.active] or [d.name for d in topology.nics])
         for gpu_id, device in index.items():
             view.ranked[device] = [names[n] for n in topology.nic_rank.get(gpu_id, []) if n in names]
