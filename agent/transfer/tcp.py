@@ -253,8 +253,8 @@ class _Peer:
 
     def connection_lost(self, cause: str) -> None:
         """With no live connection left and none to be made, nobody would drain the queue: fail it now."""
-        if any(c.alive for c in self.conns):
-            return
+        if any(c.alive for c in self.conns) or self.queue.empty():
+            return  # someone drains the queue, or there is nothing to drain: the next submit reconnects
         try:
             if not self.closed:
                 self._ensure_connections(time.monotonic() + CONNECT_TIMEOUT_S)
