@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from daybreak.agent.transfer import ShmSegment, TransferEngine, TransferRequest
@@ -80,14 +81,16 @@ def _rate(fn: Callable[[], None], nbytes: int, seconds: float) -> float:
             return count * nbytes / elapsed / 1e9
 
 
-def _best_of(ours: Callable[[], None], base: Callable[[], None] | None, nbytes: int, *, seconds: float,
-             rounds: int) -> tuple[float, float | None]:
-    best_ours, best_base = 0.0, 0.0
+def _best_of(sides: list[Callable[[], float]], *, rounds: int) -> list[float]:
+    """Measure each side in turn, ``rounds`` times, and keep each side's best round.
+
+    Alternating keeps slow phases of a shared machine from landing on one side only.
+    """
+    best = [0.0] * len(sides)
     for _ in range(rounds):
-        best_ours = max(best_ours, _rate(ours, nbytes, seconds))
-        if base is not None:
-            best_base = max(best_base, _rate(base, nbytes, seconds))
-    return best_ours, (best_base if base is not None else None)
+        for i, side in enumerate(sides):
+            best[i] = max(best[i], side())
+    return best
 
 
 _RAW_RECEIVER = textwrap.dedent("""
@@ -150,10 +153,9 @@ _MOONCAKE_TARGET = textwrap.dedent("""
 """)
 
 _MOONCAKE_INITIATOR = textwrap.dedent("""
-    import ctypes, json, sys, time
+    import ctypes, sys, time
     from mooncake.engine import TransferEngine
     meta, name, target, peer_addr, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    cases, seconds, rounds = json.loads(sys.argv[6]), float(sys.argv[7]), int(sys.argv[8])
     engine = TransferEngine()
     if engine.initialize(name, meta, "tcp", "") != 0:
         sys.exit("mooncake initiator: initialize failed")
@@ -162,8 +164,9 @@ _MOONCAKE_INITIATOR = textwrap.dedent("""
     base = ctypes.addressof(src)
     if engine.register_memory(base, size) != 0:
         sys.exit("mooncake initiator: register_memory failed")
-    out = []
-    for block, batch in cases:
+    print("ready", flush=True)
+    for line in sys.stdin:  # "BLOCK BATCH SECONDS" -> GB/s of one round
+        block, batch, seconds = int(line.split()[0]), int(line.split()[1]), float(line.split()[2])
         locs = [base + i * block for i in range(batch)]
         peers = [peer_addr + i * block for i in range(batch)]
         lens = [block] * batch
@@ -171,18 +174,14 @@ _MOONCAKE_INITIATOR = textwrap.dedent("""
             rc = engine.batch_transfer_sync_write(target, locs, peers, lens)
             if rc != 0:
                 sys.exit(f"mooncake batch_transfer_sync_write returned {rc}")
-        best = 0.0
-        for _ in range(rounds):
-            once()
-            n, t0 = 0, time.perf_counter()
-            while True:
-                once(); n += 1
-                dt = time.perf_counter() - t0
-                if dt >= seconds and n >= 3:
-                    break
-            best = max(best, n * block * batch / dt / 1e9)
-        out.append([block, batch, best])
-    print(json.dumps(out), flush=True)
+        once()
+        n, t0 = 0, time.perf_counter()
+        while True:
+            once(); n += 1
+            dt = time.perf_counter() - t0
+            if dt >= seconds and n >= 3:
+                break
+        print(n * block * batch / dt / 1e9, flush=True)
 """)
 
 
@@ -193,22 +192,25 @@ def _free_port() -> int:
         return port
 
 
-def _mooncake(cases: list[tuple[int, int]], size: int, *, seconds: float,
-              rounds: int) -> tuple[dict[tuple[int, int], float], str]:
-    """Run Mooncake's engine over tcp: (block, batch) -> GB/s, or an empty dict and the exact reason."""
-    env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONSAFEPATH": "1"}
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True, env=env)
-    if probe.returncode != 0:
-        lines = probe.stderr.strip().splitlines()
-        reason = lines[-1] if lines else f"exit {probe.returncode}"
-        return {}, f"mooncake unavailable: {reason}"
-    server_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_http_metadata_server")
-    meta_port = _free_port()
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        procs.append(subprocess.Popen([server_bin, "--host", "127.0.0.1", "--port", str(meta_port),
-                                       "--log-level", "WARNING"], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
+class _Mooncake:
+    """Mooncake's transfer engine over tcp: metadata server, target and initiator, each its own process."""
+
+    def __init__(self, size: int) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.reason = ""
+        self.initiator: subprocess.Popen[str] | None = None
+        env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONSAFEPATH": "1"}
+        probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True,
+                               env=env)
+        if probe.returncode != 0:
+            lines = probe.stderr.strip().splitlines()
+            self.reason = f"mooncake unavailable: {lines[-1] if lines else f'exit {probe.returncode}'}"
+            return
+        server_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_http_metadata_server")
+        meta_port = _free_port()
+        self.procs.append(subprocess.Popen([server_bin, "--host", "127.0.0.1", "--port", str(meta_port),
+                                            "--log-level", "WARNING"], env=env, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, text=True))
         meta = f"http://127.0.0.1:{meta_port}/metadata"
         deadline = time.monotonic() + 20
         while True:
@@ -216,28 +218,53 @@ def _mooncake(cases: list[tuple[int, int]], size: int, *, seconds: float,
                 socket.create_connection(("127.0.0.1", meta_port), timeout=1).close()
                 break
             except OSError:
-                if time.monotonic() > deadline or procs[0].poll() is not None:
-                    return {}, "mooncake metadata server did not start"
+                if time.monotonic() > deadline or self.procs[0].poll() is not None:
+                    self.reason = "mooncake metadata server did not start"
+                    return
                 time.sleep(0.1)
         target_name = f"127.0.0.1:{_free_port()}"
         target = subprocess.Popen([sys.executable, "-c", _MOONCAKE_TARGET, meta, target_name, str(size)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env)
-        procs.append(target)
+        self.procs.append(target)
         assert target.stdout is not None
         line = target.stdout.readline()
         if not line.strip().isdigit():
-            return {}, f"mooncake target failed: {(target.stderr.read() if target.stderr else '').strip()[-300:]}"
-        initiator = subprocess.run(
+            self.reason = f"mooncake target failed: {(target.stderr.read() if target.stderr else '').strip()[-300:]}"
+            return
+        self.initiator = subprocess.Popen(
             [sys.executable, "-c", _MOONCAKE_INITIATOR, meta, f"127.0.0.1:{_free_port()}", target_name,
-             line.strip(), str(size), json.dumps(cases), str(seconds), str(rounds)],
-            capture_output=True, text=True, env=env, timeout=600)
-        if initiator.returncode != 0:
-            return {}, f"mooncake initiator failed: {initiator.stderr.strip()[-300:]}"
-        return {(b, n): g for b, n, g in json.loads(initiator.stdout.strip().splitlines()[-1])}, ""
-    finally:
-        for proc in reversed(procs):
-            if proc.stdin is not None:
+             line.strip(), str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env)
+        self.procs.append(self.initiator)
+        assert self.initiator.stdout is not None
+        if self.initiator.stdout.readline().strip() != "ready":
+            self._failed("initiator did not start")
+
+    def _failed(self, what: str) -> None:
+        err = ""
+        if self.initiator is not None and self.initiator.stderr is not None:
+            self.initiator.kill()
+            err = self.initiator.stderr.read().strip()[-300:]
+        self.reason = f"mooncake {what}: {err}"
+        self.initiator = None
+
+    def rate(self, block: int, batch: int, seconds: float) -> float:
+        """GB/s of one measurement round (0.0 once Mooncake has failed; ``reason`` says why)."""
+        if self.initiator is None:
+            return 0.0
+        assert self.initiator.stdin is not None and self.initiator.stdout is not None
+        try:
+            self.initiator.stdin.write(f"{block} {batch} {seconds}\n")
+            self.initiator.stdin.flush()
+            return float(self.initiator.stdout.readline())
+        except (OSError, ValueError):
+            self._failed("initiator failed")
+            return 0.0
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.stdin is not None and not proc.stdin.closed:
                 proc.stdin.close()
             proc.terminate()
             proc.wait(timeout=10)
@@ -273,53 +300,79 @@ def run(args: argparse.Namespace) -> int:
     peer_node = f"bench-peer-{uuid.uuid4().hex[:6]}"
     print(f"transfer bench: sizes={args.sizes} batches={args.batches} seconds={args.seconds} rounds={args.rounds} "
           f"tcp_connections={args.tcp_connections} slice_bytes={args.slice_bytes} cpus={os.cpu_count()}", flush=True)
-    with PeerProcess(segment_bytes=total, shm_name=shm_name, node=peer_node, transports="shm,tcp",
-                     tcp_connections=args.tcp_connections, slice_bytes=args.slice_bytes) as peer:
-        try:
-            tcp_rates: dict[tuple[int, int], float] = {}
-            if "tcp" in wanted:
-                raw = _RawStream(total)
-                with TransferEngine(node="bench-local", transports=("tcp",), tcp_connections=args.tcp_connections,
-                                    slice_bytes=args.slice_bytes) as engine:
-                    remote = engine.open_remote(peer.descriptor)
-                    for size, batch in cases:
-                        ours = _engine_fn(engine, remote, src_view, size, batch)
-
-                        def stream(n: int = size * batch) -> None:
-                            raw.send(src_view[:n])
-
-                        gbps, base = _best_of(ours, stream, size * batch, seconds=args.seconds, rounds=args.rounds)
-                        tcp_rates[(size, batch)] = gbps
-                        rows.append(_row("tcp", size, batch, gbps, "python-stream", base))
-                raw.close()
-            if "shm" in wanted:
-                mapped = ShmSegment.attach(shm_name)
-                with TransferEngine(node=peer_node, transports=("shm",)) as engine:
-                    remote = engine.open_remote(peer.descriptor)
-                    for size, batch in cases:
-                        ours = _engine_fn(engine, remote, src_view, size, batch)
-
-                        def memcpy(size: int = size, batch: int = batch) -> None:
-                            dst = mapped.buffer
-                            for i in range(batch):
-                                dst[i * size:(i + 1) * size] = src_view[i * size:(i + 1) * size]
-
-                        gbps, base = _best_of(ours, memcpy, size * batch, seconds=args.seconds, rounds=args.rounds)
-                        rows.append(_row("shm", size, batch, gbps, "memcpy", base))
-                mapped.close()
-        finally:
-            ShmSegment.path_of(shm_name).unlink(missing_ok=True)
-    if "tcp" in wanted and not args.no_mooncake:
-        results, reason = _mooncake(cases, total, seconds=args.seconds, rounds=args.rounds)
-        for size, batch in cases:
-            rows.append(_row("tcp", size, batch, tcp_rates[(size, batch)], "mooncake-tcp",
-                             results.get((size, batch)), note=reason))
+    mooncake = _Mooncake(total) if "tcp" in wanted and not args.no_mooncake else None
+    try:
+        with PeerProcess(segment_bytes=total, shm_name=shm_name, node=peer_node, transports="shm,tcp",
+                         tcp_connections=args.tcp_connections, slice_bytes=args.slice_bytes) as peer:
+            try:
+                if "tcp" in wanted:
+                    rows += _tcp_rows(args, peer, src_view, cases, total, mooncake)
+                if "shm" in wanted:
+                    rows += _shm_rows(args, peer, src_view, cases, shm_name, peer_node)
+            finally:
+                ShmSegment.path_of(shm_name).unlink(missing_ok=True)
+    finally:
+        if mooncake is not None:
+            mooncake.close()
+    rows.sort(key=lambda r: (r.transport != "tcp", r.baseline == "mooncake-tcp", r.block_bytes, r.batch))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([asdict(r) for r in rows], fh, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
     return 0
+
+
+def _tcp_rows(args: argparse.Namespace, peer: PeerProcess, src: memoryview, cases: list[tuple[int, int]],
+              total: int, mooncake: _Mooncake | None) -> list[Row]:
+    rows: list[Row] = []
+    raw = _RawStream(total)
+    try:
+        with TransferEngine(node="bench-local", transports=("tcp",), tcp_connections=args.tcp_connections,
+                            slice_bytes=args.slice_bytes) as engine:
+            remote = engine.open_remote(peer.descriptor)
+            for size, batch in cases:
+                nbytes = size * batch
+                ours = _engine_fn(engine, remote, src, size, batch)
+
+                def stream(n: int = nbytes) -> None:
+                    raw.send(src[:n])
+
+                sides: list[Callable[[], float]] = [partial(_rate, ours, nbytes, args.seconds),
+                                                    partial(_rate, stream, nbytes, args.seconds)]
+                if mooncake is not None:
+                    sides.append(partial(mooncake.rate, size, batch, args.seconds))
+                best = _best_of(sides, rounds=args.rounds)
+                rows.append(_row("tcp", size, batch, best[0], "python-stream", best[1]))
+                if mooncake is not None:
+                    rows.append(_row("tcp", size, batch, best[0], "mooncake-tcp", best[2] or None,
+                                     note=mooncake.reason))
+    finally:
+        raw.close()
+    return rows
+
+
+def _shm_rows(args: argparse.Namespace, peer: PeerProcess, src: memoryview, cases: list[tuple[int, int]],
+              shm_name: str, peer_node: str) -> list[Row]:
+    rows: list[Row] = []
+    mapped = ShmSegment.attach(shm_name)
+    try:
+        with TransferEngine(node=peer_node, transports=("shm",)) as engine:
+            remote = engine.open_remote(peer.descriptor)
+            for size, batch in cases:
+                ours = _engine_fn(engine, remote, src, size, batch)
+
+                def memcpy(size: int = size, batch: int = batch) -> None:
+                    dst = mapped.buffer
+                    for i in range(batch):
+                        dst[i * size:(i + 1) * size] = src[i * size:(i + 1) * size]
+
+                best = _best_of([partial(_rate, ours, size * batch, args.seconds),
+                                 partial(_rate, memcpy, size * batch, args.seconds)], rounds=args.rounds)
+                rows.append(_row("shm", size, batch, best[0], "memcpy", best[1]))
+    finally:
+        mapped.close()
+    return rows
 
 
 def _engine_fn(engine: TransferEngine, remote: Any, src: memoryview, size: int, batch: int) -> Callable[[], None]:
