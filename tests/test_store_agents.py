@@ -167,9 +167,10 @@ def test_torn_block_after_crash_is_a_miss(pool: dict[str, object]) -> None:
         assert out[0] == b"a" * 8192 and b"b" * 8192 != out[1]
 
 
-def test_corrupted_dram_block_is_a_miss_and_removed(pool: dict[str, object]) -> None:
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_corrupted_dram_block_is_a_miss_and_removed(pool: dict[str, object], transport: str) -> None:
     agent = start(pool)
-    with KVPoolClient(endpoints=[agent.address], token=token(pool), namespace="ns", transport="tcp") as c:
+    with KVPoolClient(endpoints=[agent.address], token=token(pool), namespace="ns", transport=transport) as c:
         assert c.batch_put(["c"], [b"c" * 65536]) == [1]
         segment = next(SHM_DIR.glob(f"daybreak-{pool['name']}-*-dram-0"))
         raw = segment.read_bytes()[: 1 << 20]
@@ -247,6 +248,7 @@ while not stop.exists():
     for k, size, o in zip(sample, c.batch_get_into(sample, out), out):
         if size != 8192 or not np.array_equal(o, value(k)):
             misses += 1
+            print(f"miss {k} size={size} t={time.time():.3f} members={c.members()}", file=sys.stderr, flush=True)
     time.sleep(0.01)
 log.write_text("\\n".join(written) + f"\\nmisses={misses}\\n")
 """
@@ -300,7 +302,8 @@ def test_elastic_pool_three_two_three_keeps_every_block(pool: dict[str, object])
         read_all()
         # Everything the loader wrote during the changes is still there, byte for byte.
         lines = (tmp / "loaded").read_text().split()
-        assert lines[-1] == "misses=0", lines[-1]
+        assert lines[-1] == "misses=0", (loader.stderr.read() if loader.stderr else "") + "".join(
+            f"\n--- {a.address}\n" + a.log[-3000:] for a in pool["agents"])  # type: ignore[attr-defined]
         loaded = lines[:-1]
         assert len(loaded) > 50
         out = [np.zeros(8192, np.uint8) for _ in loaded]

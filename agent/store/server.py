@@ -121,6 +121,8 @@ class StoreServer:
         self.probe = ShmSegment.create(f"{store.dram.prefix}-probe", 4096, exist_ok=True)
         self.probe.buffer[:16] = self.nonce
         self._threads: list[threading.Thread] = []
+        # Held from "am I leaving?" to "space reserved", so leave() never snapshots between the two.
+        self._admission = threading.Lock()
         self.pointers: OrderedDict[str, str] = OrderedDict()  # key -> address of the agent holding it
         self._pointers_lock = threading.Lock()
         self._records: queue.Queue[list[str]] = queue.Queue()
@@ -266,7 +268,8 @@ class StoreServer:
 
     def leave(self) -> int:
         """Hand every block to its new homes among the remaining agents; returns blocks moved."""
-        self.leaving = True
+        with self._admission:
+            self.leaving = True
         self._heartbeat_once()  # tell the peers now rather than at the next tick
         # Writes accepted before we started leaving must land before the snapshot below,
         # or they would be left behind; new ones are already refused (LEAVING).
@@ -322,18 +325,35 @@ class StoreServer:
 
     # -- pull-through -----------------------------------------------------------------------------
 
+    def _await_writes(self, keys: list[str], *, timeout_seconds: float = 2.0) -> None:
+        """Wait for blocks that are arriving right now (a hand-off, a pull, a client) to be committed."""
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline and any(k in self.store.writing for k in keys):
+            time.sleep(0.005)
+
     def _pull(self, keys: list[str]) -> None:
         """At a key's home: fetch blocks missing here from the other agents (a joiner taking over its share)."""
         missing = [k for k, b in zip(keys, self.store.exists(keys), strict=True)
                    if b is None and self._pointer(k) is None]
-        others = self.live_ids(include_self=False)
-        if not missing or not others:
+        # A block being written here (say, handed over by a leaving agent) is not missing.
+        self._await_writes(missing)
+        missing = [k for k, b in zip(missing, self.store.exists(missing), strict=True) if b is None]
+        # Live peers in rank order, then the others we know of: a leaving agent still holds the
+        # blocks it is handing over (and is no longer ranked), and a joiner's first reads may come
+        # before its heartbeats have marked everyone live.
+        live = self.live_ids(include_self=False)
+        with self._peers_lock:
+            unconfirmed = [x.agent_id or x.address for x in self._peers.values()
+                           if (x.agent_id or x.address) not in live]
+        if not missing or not (live or unconfirmed):
             return
-        by_peer: dict[str, list[str]] = {}
-        for key in missing:
-            by_peer.setdefault(rank(key, others)[0], []).append(key)
+        orders = {key: rank(key, live) + rank(key, unconfirmed) for key in missing}
         remaining = set(missing)
-        for _round in range(len(others)):
+        for position in range(len(live) + len(unconfirmed)):
+            # Round n asks each remaining key's n-th agent; one request per agent per round.
+            by_peer: dict[str, list[str]] = {}
+            for key in remaining:
+                by_peer.setdefault(orders[key][position], []).append(key)
             for agent, group in by_peer.items():
                 try:
                     self._pull_from(self._address_of(agent), group, remaining)
@@ -341,12 +361,7 @@ class StoreServer:
                     log.info("event=pull_failed agent=%s peer=%s reason=%s", self.agent_id, agent, exc)
             if not remaining:
                 return
-            # Next round: ask each remaining key's next-ranked agent.
-            by_peer = {}
-            for key in remaining:
-                order = rank(key, others)
-                if _round + 1 < len(order):
-                    by_peer.setdefault(order[_round + 1], []).append(key)
+        self._await_writes(list(remaining))  # lost a race with a concurrent write of the same key
 
     def _pull_from(self, address: str, keys: list[str], remaining: set[str]) -> None:
         with self.pool_conns.borrow(address, timeout_seconds=10.0) as conn:
@@ -501,14 +516,16 @@ class StoreServer:
     def _put(self, conn: socket.socket, header: p.Header, req: p.PutRequest) -> None:
         if header.data_len != sum(req.sizes):
             raise p.ProtocolError(f"PUT data section is {header.data_len} bytes, sizes add up to {sum(req.sizes)}")
-        if self.leaving and not header.flags & p.FLAG_REPLICA:
+        tier = "hbm" if req.tier == 1 else "dram"
+        with self._admission:
+            refused = self.leaving and not header.flags & p.FLAG_REPLICA
+            slots = [] if refused else [self.store.reserve(k, s, c, tier=tier, pin_seconds=req.pin_seconds)
+                                        for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        if refused:
             p.discard(conn, header.data_len)
             self._reply(conn, header.request_id,
                         p.BlocksReply([p.BlockInfo(p.Status.LEAVING) for _ in req.keys]).encode())
             return
-        tier = "hbm" if req.tier == 1 else "dram"
-        slots = [self.store.reserve(k, s, c, tier=tier, pin_seconds=req.pin_seconds)
-                 for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
         reserved = [s for s in slots if isinstance(s, Reservation)]
         try:
             for slot, size in zip(slots, req.sizes, strict=True):
@@ -567,11 +584,13 @@ class StoreServer:
         self._reply(conn, rid, p.BlocksReply(infos, lease_id).encode())
 
     def _alloc(self, conn: socket.socket, rid: int, req: p.AllocRequest) -> None:
-        if self.leaving:
+        with self._admission:
+            refused = self.leaving
+            slots = [] if refused else [self.store.reserve(k, s, c, pin_seconds=req.pin_seconds)
+                                        for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
+        if refused:
             self._reply(conn, rid, p.BlocksReply([p.BlockInfo(p.Status.LEAVING) for _ in req.keys]).encode())
             return
-        slots = [self.store.reserve(k, s, c, pin_seconds=req.pin_seconds)
-                 for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
         parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
         rid_parked = self.store.park(parked)
         infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, self.store.dram.segment_name(s.segment), s.offset)
