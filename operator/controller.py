@@ -512,6 +512,22 @@ class Controller:
             except (KubeError, NotLeader) as exc:
                 logger.warning("resync failed error=%s", exc)
 
+    async def _refresh_children(self, ns: str | None) -> None:
+        """Replace the cached Deployments/DaemonSets with a LIST: a watch event lost in a reconnect must not
+        leave a deleted child in the cache (the applier skips children the cache says are untouched)."""
+        for rk in (DEPLOYMENT, DAEMONSET):
+            items = await self.client.list(rk, namespace=ns, label_selector=f"{MANAGED_BY}={MANAGER}")
+            fresh = {}
+            for item in items:
+                item.setdefault("apiVersion", rk.api_version)
+                item.setdefault("kind", rk.kind)
+                meta = item["metadata"]
+                fresh[(rk.kind, meta["namespace"], meta["name"])] = _slim(item)
+            for stale in [k for k in self.children if k[0] == rk.kind and k not in fresh]:
+                del self.children[stale]
+            # Possibly older than a concurrent watch event or apply: that only costs one extra apply.
+            self.children.update(fresh)
+
     async def resync(self) -> None:
         """Queue a full reconcile of every object in scope and sweep orphaned cluster bindings."""
         ns = self.settings.namespace
@@ -526,6 +542,7 @@ class Controller:
                     self.needs_apply.add(known_key)
                     self.queue.add(known_key)
             raise
+        await self._refresh_children(ns)
         live: set[tuple[str, str]] = set()
         for kind, items in ((POOL, pools), (PDD, pdds)):
             for obj in items:

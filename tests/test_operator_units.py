@@ -317,3 +317,52 @@ def test_lease_timing_and_settings_reject_bad_values_naming_them() -> None:
         OperatorSettings.load(overrides={"workers": 0}, environ={})
     s = OperatorSettings.load(overrides={"resync_seconds": None}, environ={"DAYBREAK_OPERATOR_RESYNC_SECONDS": "3"})
     assert s.resync_seconds == 3.0 and s.clusterwide
+
+
+def test_applier_skips_only_children_nobody_touched_since_our_apply() -> None:
+    from daybreak.operator.children import Applier
+    from daybreak.operator.events import EventRecorder
+
+    class Client:
+        """Stands in for the API server's apply: echoes the body with a generation."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def apply(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+            self.calls += 1
+            live = json.loads(json.dumps(body))
+            live["metadata"]["generation"] = 1
+            return live, self.calls == 1
+
+    cache: dict[str, Any] = {}
+    client = Client()
+    applier = Applier(client, events=EventRecorder(client), fence=lambda: True,  # type: ignore[arg-type]
+                      cache=lambda kind, ns, name: cache.get(name))
+    parent = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment",
+              "metadata": {"name": "p", "namespace": "ns", "uid": "u1"}}
+    child = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "p-decode"},
+             "spec": {"replicas": 2}}
+    labels = {"daybreak.dev/role": "decode"}
+
+    async def scenario() -> None:
+        first = await applier.apply(parent, child, labels=labels)
+        assert first.outcome == "created" and client.calls == 1
+        cache["p-decode"] = first.obj
+        assert (await applier.apply(parent, child, labels=labels)).outcome == "skipped"
+        assert client.calls == 1
+        cache["p-decode"] = {**first.obj, "metadata": {**first.obj["metadata"], "generation": 2}}  # kubectl scale
+        await applier.apply(parent, child, labels=labels)
+        assert client.calls == 2
+        cache["p-decode"] = {**first.obj, "metadata": {**first.obj["metadata"], "labels": {}}}  # labels removed
+        await applier.apply(parent, child, labels=labels)
+        assert client.calls == 3
+        cache["p-decode"] = first.obj
+        await applier.apply(parent, {**child, "spec": {"replicas": 3}}, labels=labels)  # a new desired state
+        assert client.calls == 4
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "p-decode"}, "spec": {}}
+        await applier.apply(parent, service, labels=labels)
+        await applier.apply(parent, service, labels=labels)  # not watched: always applied
+        assert client.calls == 6
+
+    asyncio.run(scenario())
