@@ -62,6 +62,7 @@ bench-deps:
 
 crds: venv
 	$(BIN)/daybreak crds --out crds --docs docs/api.md
+	cp crds/*.yaml charts/daybreak/crds/
 
 clean:
 	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info .daybreak

@@ -20,7 +20,8 @@ def _start(tmp_path_factory: pytest.TempPathFactory, name: str, spec: ClusterSpe
     directory = tmp_path_factory.mktemp(name)
     try:
         cluster = LocalCluster(directory, spec, progress=lambda _m: None)
-        cluster.start()
+        # Generous: CI's 2 cores may be busy with other test processes while the components start.
+        cluster.start(timeout=300)
     except tools.ToolError as exc:
         pytest.fail(f"control-plane binaries missing ({exc}); `make test` builds them")
     try:

@@ -230,8 +230,18 @@ class LocalCluster:
                 if probe():
                     return
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out waiting for {what}; logs in {self.directory / 'logs'}")
+                raise ClusterError(f"timed out waiting for {what}; logs in {self.directory / 'logs'}\n"
+                                   + self._log_tails())
             time.sleep(0.2)
+
+    def _log_tails(self, lines: int = 8) -> str:
+        """The last lines of each component's log, for an error a CI run can be triaged from."""
+        out = []
+        for c in self._components:
+            if c.log and c.log.is_file():
+                tail = c.log.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {c.name} ---\n" + "\n".join(line[:300] for line in tail))
+        return "\n".join(out)
 
     def _start_etcd(self, binary: Path, deadline: float) -> None:
         client, peer = free_port(), free_port()
