@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from daybreak.api.base import CustomResource
 from daybreak.api.docgen import render
 from daybreak.api.registry import CRD_KINDS

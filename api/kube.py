@@ -12,9 +12,10 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
+from pydantic import AfterValidator, AwareDatetime, BeforeValidator, Field, WithJsonSchema
+
 from daybreak.api.base import ApiModel
 from daybreak.api.quantity import BYTES_PATTERN, QUANTITY_PATTERN, QuantityError, parse_bytes
-from pydantic import AfterValidator, AwareDatetime, BeforeValidator, Field, WithJsonSchema
 
 _INT_OR_STRING: dict[str, Any] = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],

@@ -21,8 +21,9 @@ import hashlib
 import json
 from enum import StrEnum
 
-from daybreak.api.base import ApiModel
 from pydantic import Field
+
+from daybreak.api.base import ApiModel
 
 KV_NAMESPACE_VERSION = 1
 _DOMAIN = f"daybreak.dev/kv-namespace/v{KV_NAMESPACE_VERSION}"

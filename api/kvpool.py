@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
+from pydantic import AfterValidator, Field
+
 from daybreak.api.base import (
     DNS_LABEL_NAME_RULE,
     ApiModel,
@@ -22,7 +24,6 @@ from daybreak.api.kube import (
     Toleration,
     conditions_field,
 )
-from pydantic import AfterValidator, Field
 
 
 class EvictionPolicy(StrEnum):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar, Literal
 
+from pydantic import AwareDatetime, Field
+
 from daybreak.api.base import (
     DNS_LABEL_NAME_RULE,
     ApiModel,
@@ -25,7 +27,6 @@ from daybreak.api.kube import (
     env_field,
 )
 from daybreak.api.kvcompat import EngineKind, KVLayout, kv_namespace
-from pydantic import AwareDatetime, Field
 
 
 class Role(StrEnum):

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import yaml
+
 from daybreak.api import KVPool, PDDeployment, crdgen
 from daybreak.api.docgen import render
 from daybreak.api.registry import CRD_KINDS
 from daybreak.api.schema import SchemaError, check_structural, crd_document, structural_schema, walk
-
 from daybreak.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent

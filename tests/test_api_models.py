@@ -7,6 +7,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from daybreak.api import (
     Condition,
     ConditionStatus,
@@ -25,9 +29,6 @@ from daybreak.api.kube import set_condition
 from daybreak.api.kvcompat import kv_namespace_payload
 from daybreak.api.kvpool import EvictionPolicy, Transport
 from daybreak.api.pddeployment import CachePolicy
-from hypothesis import given
-from hypothesis import strategies as st
-from pydantic import ValidationError
 
 # --- quantities -----------------------------------------------------------------------------------
 

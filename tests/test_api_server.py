@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import yaml
-from daybreak.api import KVPool, PDDeployment, parse_bytes
-from daybreak.api.registry import CRD_KINDS
 from pydantic import ValidationError
 
+from daybreak.api import KVPool, PDDeployment, parse_bytes
+from daybreak.api.registry import CRD_KINDS
 from daybreak.devenv.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
