@@ -192,6 +192,19 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     return {"store_segments": segments, "tier_usage": usage}
 
 
+async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:
+    """Keep the store's peer list equal to the endpoints the operator publishes on our KVPool."""
+    from daybreak.agent.membership import follow_pool_endpoints
+    from daybreak.agent.publish import load_client
+
+    api = await load_client(settings.kubeconfig)
+    try:
+        await follow_pool_endpoints(api, namespace=settings.pool_namespace, pool=settings.pool_name,
+                                    on_change=server.set_peers, stop=stop)
+    finally:
+        await api.close()
+
+
 def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> int:
     """Cluster mode: discovery, registration and publishing (``daybreak.agent.node``) until ``stop``."""
     try:
@@ -214,7 +227,15 @@ def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> in
 
         threading.Thread(target=bridge, daemon=True, name="stop-bridge").start()
         kwargs = _store_hooks(server) if server is not None else {}
-        await run_node_agent(settings, stop=done, **kwargs)
+        members = None
+        if server is not None and settings.pool_name and settings.pool_namespace:
+            members = asyncio.create_task(_follow_members(settings, server, done), name="daybreak-pool-members")
+        try:
+            await run_node_agent(settings, stop=done, **kwargs)
+        finally:
+            done.set()
+            if members is not None:
+                await asyncio.gather(members, return_exceptions=True)
 
     try:
         asyncio.run(_main())

@@ -1,0 +1,76 @@
+"""Pool membership in a cluster: the store's peers are the endpoints the operator publishes on the KVPool.
+
+The operator writes ``status.endpoints`` (one entry per ready agent pod) on
+the pool; each agent watches that one object (field selector on its name, the
+only KVPool its Role may read) and hands the address list to the store, which
+pings new peers and drops departed ones. There is no master: a missed event
+costs nothing because every event carries the full list, and a broken watch
+is restarted with back-off while the store keeps serving the peers it knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import watch as k8s_watch
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "daybreak.dev", "v1alpha1", "kvpools"
+MAX_BACKOFF_SECONDS = 30.0
+
+
+def pool_endpoints(pool: Mapping[str, Any]) -> list[str]:
+    """``host:port`` of every endpoint in a KVPool object's status, sorted, without duplicates."""
+    entries = ((pool.get("status") or {}).get("endpoints")) or []
+    return sorted({f"{e['address']}:{e['port']}" for e in entries if e.get("address") and e.get("port")})
+
+
+async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str,
+                                on_change: Callable[[list[str]], None], stop: asyncio.Event,
+                                timeout_seconds: int = 300) -> None:
+    """Call ``on_change`` with the pool's endpoint list whenever it changes, until ``stop`` is set."""
+    custom = k8s_client.CustomObjectsApi(api)
+    current: list[str] | None = None
+    backoff = 1.0
+
+    async def watch_once() -> None:
+        nonlocal current, backoff
+        async with k8s_watch.Watch().stream(
+            custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+            field_selector=f"metadata.name={pool}", timeout_seconds=timeout_seconds,
+        ) as stream:
+            async for event in stream:
+                backoff = 1.0
+                if event.get("type") == "DELETED":
+                    addresses: list[str] = []
+                else:
+                    addresses = pool_endpoints(event.get("raw_object") or {})
+                if addresses != current:
+                    log.info("event=pool_members pool=%s/%s members=%d addresses=%s", namespace, pool,
+                             len(addresses), ",".join(addresses))
+                    current = addresses
+                    on_change(addresses)
+
+    while not stop.is_set():
+        task = asyncio.create_task(watch_once())
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return
+        stopped.cancel()
+        exc = task.exception()
+        if exc is None:
+            continue  # the server closed the watch at timeout_seconds: open the next one
+        log.warning("event=pool_watch_failed pool=%s/%s error=%r retry_in=%.0fs", namespace, pool, str(exc), backoff)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=backoff)
+        except TimeoutError:
+            pass
+        backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
