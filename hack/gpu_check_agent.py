@@ -25,25 +25,13 @@ import shutil
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
 
-
-def link_tree(out: Path) -> Path:
-    """``out/daybreak`` mirroring pyproject's package-dir mapping with symlinks; returns ``out``."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    pkg = out / "daybreak"
-    pkg.mkdir(parents=True)
-    for entry in (REPO / mapping["daybreak"]).iterdir():
-        if entry.name != "__pycache__":
-            (pkg / entry.name).symlink_to(entry)
-    for name, folder in mapping.items():
-        if name != "daybreak":
-            (pkg / name.split(".", 1)[1]).symlink_to(REPO / folder)
-    return out
+import linktree  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -77,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"python": sys.version.split()[0]}
     started = time.monotonic()
 
-    tree = link_tree(Path(tempfile.mkdtemp(prefix="daybreak-linktree-")))
+    tree = linktree.build(Path(tempfile.mkdtemp(prefix="daybreak-linktree-")))
     atexit.register(shutil.rmtree, tree, True)
     sys.path.insert(0, str(tree))
     from daybreak.agent.registration import Registrar

@@ -27,7 +27,6 @@ import os
 import sys
 import tempfile
 import time
-import tomllib
 import uuid
 import zipfile
 from pathlib import Path
@@ -38,16 +37,11 @@ BATCH = 16
 
 def _import_tree() -> None:
     """Make ``daybreak.*`` importable from the source folders (the package-dir mapping of pyproject.toml)."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    tree = Path(tempfile.mkdtemp(prefix="daybreak-src-"))
+    sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
+    import linktree
+
+    tree = linktree.build(Path(tempfile.mkdtemp(prefix="daybreak-src-")))
     pkg = tree / "daybreak"
-    pkg.mkdir()
-    for entry in (ROOT / mapping["daybreak"]).iterdir():
-        if entry.name != "__pycache__":
-            (pkg / entry.name).symlink_to(entry)
-    for name, folder in mapping.items():
-        if name != "daybreak":
-            (pkg / name.split(".", 1)[1]).symlink_to(ROOT / folder)
     sys.path.insert(0, str(tree))
     # The store's tiers need only ShmSegment from the transfer package, whose __init__ pulls in
     # pydantic (descriptors): register the package without running it.

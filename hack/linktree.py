@@ -1,8 +1,9 @@
-"""Mirror the package-dir mapping of pyproject.toml as a symlink tree for mypy.
+"""Mirror the package-dir mapping of pyproject.toml as a symlink tree (``<out>/daybreak``).
 
 mypy cannot follow setuptools' ``package-dir`` (``operator/`` is
 ``daybreak.operator``), so ``make typecheck`` builds ``.typecheck/daybreak``
-from symlinks and checks that instead.
+and checks that. The GPU check scripts use the same tree to import the
+package from a bare checkout on a machine where nothing is installed.
 """
 
 from __future__ import annotations
@@ -12,22 +13,24 @@ import sys
 import tomllib
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 
-def main() -> int:
-    root = Path(__file__).resolve().parent.parent
-    mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    out = root / ".typecheck"
-    shutil.rmtree(out, ignore_errors=True)
+
+def build(out: Path) -> Path:
+    """Create ``out/daybreak`` from symlinks into the checkout (replacing an old one); returns ``out``."""
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     pkg = out / "daybreak"
+    shutil.rmtree(pkg, ignore_errors=True)
     pkg.mkdir(parents=True)
-    for entry in (root / mapping["daybreak"]).iterdir():
+    for entry in (REPO / mapping["daybreak"]).iterdir():
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry)
     for name, folder in mapping.items():
         if name != "daybreak":
-            (pkg / name.split(".", 1)[1]).symlink_to(root / folder)
-    return 0
+            (pkg / name.split(".", 1)[1]).symlink_to(REPO / folder)
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    build(REPO / ".typecheck")
+    sys.exit(0)
