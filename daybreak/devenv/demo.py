@@ -44,6 +44,7 @@ def main() -> int:
         step("the fake accelerator nodes")
         kubectl(cluster, "get", "nodes", "-L", "daybreak.dev/accelerator,daybreak.dev/accelerator-count")
         operators = operator_demo(cluster, directory)
+        store_demo(directory)
         hold = os.environ.get("DEMO_HOLD", "1" if sys.stdin.isatty() else "0") != "0"
         if hold:
             print(f"\nThe cluster stays up: export KUBECONFIG={cluster.kubeconfig}\nPress Ctrl-C to tear it down.")
@@ -101,6 +102,49 @@ def operator_demo(cluster: LocalCluster, directory: Path) -> list[Any]:
     kubectl(cluster, "get", "events", "--field-selector", "source=daybreak-operator",
             "--sort-by=.lastTimestamp")
     return operators
+
+
+def store_demo(directory: Path) -> None:
+    """The data plane on this machine: two store agents, KV blocks in, an agent killed, blocks still there."""
+    import hashlib
+    import uuid
+
+    from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
+    from daybreak.client import KVPoolClient
+
+    step("the KV pool's data plane: two standalone agents on loopback, 2 replicas (the DaemonSet's job in a cluster)")
+    pool = f"demo-{uuid.uuid4().hex[:6]}"
+    token = directory / "store-token"
+    a, b = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    agents = [LocalAgent(address=a, token_file=token, pool=pool, dram="512Mi", peers=[b], replicas=2,
+                         log_path=directory / "agent-a.log").start()]
+    agents.append(LocalAgent(address=b, token_file=token, pool=pool, dram="512Mi", peers=[a], replicas=2,
+                             log_path=directory / "agent-b.log").start())
+    try:
+        blocks = [os.urandom(1 << 20) for _ in range(128)]
+        keys = [f"prefix-{i:04d}" for i in range(len(blocks))]
+        client = KVPoolClient([a], token=token.read_text().strip(), namespace="kv1-demo")
+        t = time.monotonic()
+        copies = client.batch_put(keys, blocks)
+        put_s = time.monotonic() - t
+        print(f"put {len(blocks)} x 1 MiB in {put_s * 1000:.0f} ms ({len(blocks) / 1024 / put_s:.2f} GiB/s), "
+              f"copies per key: {min(copies)}..{max(copies)}")
+        agents[0].kill()
+        print(f"killed agent {a} (SIGKILL: no hand-off)")
+        reader = KVPoolClient([b], token=token.read_text().strip(), namespace="kv1-demo", transport="tcp")
+        out = [bytearray(1 << 20) for _ in blocks]
+        t = time.monotonic()
+        sizes = reader.batch_get_into(keys, out)
+        get_s = time.monotonic() - t
+        exact = sum(hashlib.sha256(o).digest() == hashlib.sha256(blk).digest() for o, blk in zip(out, blocks, strict=True))
+        print(f"read back from the surviving replica over tcp in {get_s * 1000:.0f} ms: "
+              f"{sum(s is not None for s in sizes)}/{len(keys)} hits, {exact}/{len(keys)} byte-exact")
+        client.close()
+        reader.close()
+    finally:
+        for agent in agents:
+            agent.kill()
+        cleanup_pool(pool)
 
 
 def kubectl_quiet(cluster: LocalCluster, *args: str) -> str:
