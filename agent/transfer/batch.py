@@ -134,14 +134,18 @@ class BatchHandle:
         return self.results[index].status is Status.PENDING
 
     def expire(self, cause: str = "") -> int:
-        """Time out every request still pending; returns how many were."""
+        """Time out every request still pending; returns how many were.
+
+        The transports abort the batch's in-flight work BEFORE the waiter is released: once
+        ``wait`` returns TIMEOUT the caller may reuse its buffers, so no NIC or socket may
+        still be writing into them."""
+        if self._on_expire is not None and any(r.status is Status.PENDING for r in self.results):
+            self._on_expire(self)
         expired = 0
         for index in range(self.size):
             if self.results[index].status is Status.PENDING:
                 reason = cause or "deadline passed before the request completed"
                 expired += self.finish(index, Status.TIMEOUT, error=reason)
-        if expired and self._on_expire is not None:
-            self._on_expire(self)
         return expired
 
     # -- caller side -------------------------------------------------------------------

@@ -669,7 +669,9 @@ class TransferEngine:
         if not job.pending():
             return
         if time.monotonic() >= job.batch.deadline:
-            job.batch.finish(job.index, Status.TIMEOUT, transport=name, error="; ".join(job.errors))
+            # Most often the abort at the deadline is what broke the path: say the deadline first.
+            job.batch.finish(job.index, Status.TIMEOUT, transport=name,
+                             error="deadline passed before the request completed; " + "; ".join(job.errors))
             return
         job.pos += 1
         if job.pos < len(job.chain):
