@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from daybreak.devenv import tools
@@ -120,3 +121,27 @@ def wait_status(api: httpx.Client, path: str) -> dict[str, Any]:
             return dict(status)
         time.sleep(0.5)
     raise AssertionError(f"no status on {path}: {json.dumps(status)}")
+
+
+@pytest.mark.e2e
+def test_helm_install_brings_up_two_operator_replicas_and_uninstalls_cleanly(cluster: LocalCluster) -> None:
+    """What a platform engineer types: `helm install`, against a real apiserver with kwok kubelets."""
+    ns = "daybreak-helm"
+    helm("install", "dbh", str(CHART), "--kubeconfig", str(cluster.kubeconfig), "--namespace", ns,
+         "--create-namespace", "--wait", "--timeout", "180s")
+    try:
+        status = json.loads(helm("status", "dbh", "--kubeconfig", str(cluster.kubeconfig), "-n", ns, "-o", "json"))
+        assert status["info"]["status"] == "deployed"
+        deployment = json.loads(cluster.kubectl("-n", ns, "get", "deployment", "dbh-daybreak-operator",
+                                                "-o", "json").stdout)
+        assert deployment["status"].get("availableReplicas") == 2
+        crds = cluster.kubectl("get", "crd", "-o", "name").stdout.split()
+        assert {"customresourcedefinition.apiextensions.k8s.io/kvpools.daybreak.dev",
+                "customresourcedefinition.apiextensions.k8s.io/pddeployments.daybreak.dev",
+                "customresourcedefinition.apiextensions.k8s.io/kvnodes.daybreak.dev"} <= set(crds)
+    finally:
+        helm("uninstall", "dbh", "--kubeconfig", str(cluster.kubeconfig), "-n", ns, "--wait", "--timeout", "120s")
+    assert cluster.kubectl("get", "clusterrole", "daybreak-agent", check=False).returncode != 0
+    left = cluster.kubectl("-n", ns, "get", "deployment,serviceaccount", "-l", "app.kubernetes.io/instance=dbh",
+                           "-o", "name").stdout.split()
+    assert left == []
