@@ -9,6 +9,7 @@ restriction, leader hand-over by SIGKILL, and garbage collection.
 from __future__ import annotations
 
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -334,7 +335,7 @@ def test_agents_may_only_label_their_own_node(env: Env) -> None:
     token = env.cluster.kubectl("create", "token", "-n", NS, "pool-a-daybreak-agent", "--bound-object-kind=Pod",
                                 f"--bound-object-name={pod['metadata']['name']}",
                                 f"--bound-object-uid={pod['metadata']['uid']}").stdout.strip()
-    with httpx.Client(base_url=env.cluster.server, verify=str(env.cluster.pki.ca_cert), timeout=30,
+    with httpx.Client(base_url=env.cluster.server, verify=ssl.create_default_context(cafile=str(env.cluster.pki.ca_cert)), timeout=30,
                       headers={"Authorization": f"Bearer {token}"}) as agent:
         def patch_node(node: str, labels: dict[str, str]) -> httpx.Response:
             return agent.patch(f"/api/v1/nodes/{node}?dryRun=All", json={"metadata": {"labels": labels}},
