@@ -59,6 +59,21 @@ class _Component:
     log: Path | None = None
 
 
+def _terminate(component: _Component, *, grace: float) -> None:
+    """SIGTERM the component's process group, SIGKILL it after ``grace`` seconds."""
+    proc = component.process
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def free_port() -> int:
     """A currently free loopback TCP port."""
     with socket.socket() as s:
@@ -113,17 +128,7 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every component, newest first; safe to call twice."""
         for component in reversed(self._components):
-            proc = component.process
-            if proc is None or proc.poll() is not None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _terminate(component, grace=10)
         self._components.clear()
 
     def restart_apiserver(self, *, downtime: float = 0.0, timeout: float = 60.0) -> None:
@@ -132,16 +137,7 @@ class LocalCluster:
         For tests of clients that must ride out an apiserver outage (etcd keeps the data).
         """
         index, component = next((i, c) for i, c in enumerate(self._components) if c.name == "kube-apiserver")
-        proc = component.process
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _terminate(component, grace=15)
         time.sleep(downtime)
         self._components.remove(component)
         restarted = self._spawn(component.name, component.args)
