@@ -89,8 +89,8 @@ class BatchHandle:
     After a request fails or times out the bytes of its destination range are undefined.
     """
 
-    __slots__ = ("_callbacks", "_done", "_lock", "_on_expire", "_pumps", "_remaining", "deadline", "handed_out",
-                 "results", "size")
+    __slots__ = ("_aborting", "_callbacks", "_done", "_expire_lock", "_lock", "_on_expire", "_pumps", "_released",
+                 "_remaining", "deadline", "handed_out", "results", "size")
 
     def __init__(self, size: int, *, deadline: float, on_expire: Callable[[BatchHandle], None] | None = None) -> None:
         self.size = size
@@ -108,6 +108,11 @@ class BatchHandle:
         # must not leave answers for it to read (a fallback after a failure runs on another thread)
         self.handed_out = False
         self._on_expire = on_expire
+        # While the transports abort at the deadline, requests they break may finish, but
+        # nobody is released until the abort is over (see expire).
+        self._aborting = False
+        self._released = False
+        self._expire_lock = threading.Lock()
 
     # -- completion, called by the engine and transports -------------------------
     def finish(self, index: int, status: Status, *, transport: str = "", error: str = "") -> bool:
@@ -121,14 +126,18 @@ class BatchHandle:
                 result.transport = transport
             result.error = error
             self._remaining -= 1
-            last = self._remaining == 0
+            last = self._remaining == 0 and not self._aborting
             if last:
+                self._released = True
                 callbacks, self._callbacks = self._callbacks, []
         if last:
-            self._done.release()
-            for callback in callbacks:
-                callback(self)
+            self._release(callbacks)
         return True
+
+    def _release(self, callbacks: list[Callable[[BatchHandle], None]]) -> None:
+        self._done.release()
+        for callback in callbacks:
+            callback(self)
 
     def is_pending(self, index: int) -> bool:
         return self.results[index].status is Status.PENDING
@@ -139,24 +148,41 @@ class BatchHandle:
         The transports abort the batch's in-flight work BEFORE the waiter is released: once
         ``wait`` returns TIMEOUT the caller may reuse its buffers, so no NIC or socket may
         still be writing into them."""
-        if self._on_expire is not None and any(r.status is Status.PENDING for r in self.results):
-            self._on_expire(self)
-        expired = 0
-        for index in range(self.size):
-            if self.results[index].status is Status.PENDING:
-                reason = cause or "deadline passed before the request completed"
-                expired += self.finish(index, Status.TIMEOUT, error=reason)
-        return expired
+        # The monitor thread and a waiter can both get here at the deadline: the second one
+        # waits for the first abort to be over, then finds nothing left to do.
+        with self._expire_lock:
+            with self._lock:
+                if not self._remaining:
+                    return 0
+                self._aborting = True
+            expired = 0
+            try:
+                if self._on_expire is not None:
+                    self._on_expire(self)
+            finally:
+                for index in range(self.size):
+                    if self.results[index].status is Status.PENDING:
+                        reason = cause or "deadline passed before the request completed"
+                        expired += self.finish(index, Status.TIMEOUT, error=reason)
+                with self._lock:
+                    self._aborting = False
+                    release = not self._remaining and not self._released
+                    if release:
+                        self._released = True
+                        callbacks, self._callbacks = self._callbacks, []
+                if release:
+                    self._release(callbacks)
+            return expired
 
     # -- caller side -------------------------------------------------------------------
     def done(self) -> bool:
-        if self._remaining and self._pumps:
+        if not self._released and self._pumps:
             self._kick()
-        return self._remaining == 0
+        return self._released
 
     def settled(self) -> bool:
         """``done`` without side effects, for the engine's own threads."""
-        return self._remaining == 0
+        return self._released
 
     def _kick(self) -> None:
         """Nobody is going to pump: let the transports' own threads read the answers now."""
@@ -173,7 +199,7 @@ class BatchHandle:
         ``timeout_s`` only bounds this call: when it runs out first, the requests keep going
         and the results returned may still contain ``pending`` entries.
         """
-        if self._remaining and self._pumps:
+        if not self._released and self._pumps:
             for pump in self._pumps:
                 if timeout_s is None:
                     # read our own answers instead of waiting for a transport thread to hand them
@@ -181,11 +207,11 @@ class BatchHandle:
                     pump.pump(self)
                 else:
                     pump.kick()
-        if self._remaining:
+        if not self._released:
             limit = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
             if self._done.acquire(timeout=max(0.0, limit - time.monotonic())):
                 self._done.release()  # let every other waiter through too
-        if self._remaining and time.monotonic() >= self.deadline:
+        if not self._released and time.monotonic() >= self.deadline:
             self.expire()
         return self.results
 
@@ -199,7 +225,7 @@ class BatchHandle:
     def add_done_callback(self, callback: Callable[[BatchHandle], None]) -> None:
         """Call ``callback(handle)`` once every request has finished (at once if already done)."""
         with self._lock:
-            if self._remaining:
+            if not self._released:
                 self._callbacks.append(callback)
                 pending = True
             else:
@@ -221,7 +247,8 @@ class BatchHandle:
         try:
             await asyncio.wait_for(asyncio.shield(future), max(0.0, self.deadline - time.monotonic()))
         except TimeoutError:
-            self.expire()
+            # aborting touches sockets and queue pairs, and may wait for the monitor's abort
+            await asyncio.to_thread(self.expire)
         return self.results
 
     def __await__(self) -> Generator[Any, None, list[RequestResult]]:
