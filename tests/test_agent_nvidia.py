@@ -4,6 +4,7 @@ check script's no-GPU path. The real driver path ran on the lent H200 (docs/hard
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 FAKE_CUDA = r"""
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,13 +61,30 @@ int cuDevicePrimaryCtxRetain(void **c, int d) { NEED_INIT; *c = &ctx_token[d]; r
 int cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return 0; }
 int cuCtxSetCurrent(void *c) { current = c; return 0; }
 int cuCtxSynchronize(void) { NEED_CTX; return 0; }
+/* "Device memory" is a shared memfd mapping, so an IPC handle (pid, fd) opens in another process. */
+typedef struct { CUdeviceptr base; size_t size; int fd; } alloc_t;
+static alloc_t allocs[256];
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { unsigned magic; int pid, fd; unsigned long long size, offset; } ipc_payload;
+#define IPC_MAGIC 0x44425543u
 int cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     NEED_CTX;
-    void *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) return 2;
-    *p = (CUdeviceptr)(uintptr_t)m; return 0;
+    int slot = 0;
+    while (slot < 256 && allocs[slot].base) slot++;
+    if (slot == 256) return 2;
+    int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)n)) return 2;
+    void *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) { close(fd); return 2; }
+    allocs[slot] = (alloc_t){(CUdeviceptr)(uintptr_t)m, n, fd};
+    *p = allocs[slot].base; return 0;
 }
-int cuMemFree_v2(CUdeviceptr p) { NEED_CTX; (void)p; return 0; }
+int cuMemFree_v2(CUdeviceptr p) {
+    NEED_CTX;
+    for (int i = 0; i < 256; i++)
+        if (allocs[i].base == p) { munmap((void *)(uintptr_t)p, allocs[i].size); close(allocs[i].fd); allocs[i].base = 0; }
+    return 0;
+}
 int cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { NEED_CTX; memcpy((void *)(uintptr_t)d, s, n); return 0; }
 int cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { NEED_CTX; memcpy(d, (void *)(uintptr_t)s, n); return 0; }
 int cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) {
@@ -75,7 +94,32 @@ int cuMemcpyPeer(CUdeviceptr d, void *dc, CUdeviceptr s, void *sc, size_t n) {
     if (!dc || !sc || dc == sc) return 1;
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); return 0;
 }
-int cuIpcGetMemHandle(void *h, CUdeviceptr p) { NEED_CTX; memset(h, 0xab, 64); memcpy(h, &p, sizeof p); return 0; }
+int cuIpcGetMemHandle(void *h, CUdeviceptr p) {
+    NEED_CTX;
+    for (int i = 0; i < 256; i++) {
+        alloc_t *a = &allocs[i];
+        if (a->base && a->base <= p && p < a->base + a->size) {
+            ipc_payload pl = {IPC_MAGIC, (int)getpid(), a->fd, a->size, p - a->base};
+            memset(h, 0, 64); memcpy(h, &pl, sizeof pl); return 0;
+        }
+    }
+    return 1;  /* CUDA_ERROR_INVALID_VALUE */
+}
+int cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
+    NEED_CTX;
+    ipc_payload pl; char path[64];
+    memcpy(&pl, h.reserved, sizeof pl);
+    if (pl.magic != IPC_MAGIC || flags != 1) return 1;
+    if (pl.pid == (int)getpid()) return 1;  /* like CUDA: a process cannot open its own handle */
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pl.pid, pl.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return 1;
+    void *m = mmap(NULL, pl.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return 2;
+    *p = (CUdeviceptr)(uintptr_t)m + pl.offset; return 0;
+}
+int cuIpcCloseMemHandle(CUdeviceptr p) { NEED_CTX; (void)p; return 0; }
 int cuPointerSetAttribute(const void *v, int attr, CUdeviceptr p) {
     NEED_CTX; (void)p; return (attr == 6 && *(const int *)v == 1) ? 0 : 1;
 }
@@ -159,6 +203,47 @@ def test_memory_copies_ipc_and_dmabuf(libcuda: str) -> None:
     for buf in (a, b, c):
         rt.free(buf)
     rt.close()
+
+
+def test_ipc_handle_opens_in_another_process_both_ways(libcuda: str) -> None:
+    """The link transport's cross-process path: the exporter's device bytes seen and written by an importer."""
+    child = textwrap.dedent(f"""
+        import hashlib, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_agent_nvidia import fake_nvml
+        from daybreak.agent.runtime.nvidia import NvidiaRuntime
+        rt = NvidiaRuntime.load(nvml_module=fake_nvml(), cuda_library={libcuda!r})
+        buf = rt.allocate(0, 1 << 20)
+        rt.copy_to_device(buf, bytes(range(256)) * 4096)
+        print(rt.ipc_handle(buf).hex(), flush=True)
+        sys.stdin.readline()  # the importer has written its half
+        out = bytearray(1 << 20)
+        rt.copy_to_host(out, buf)
+        print(hashlib.sha256(out).hexdigest(), flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd="/")
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        handle = bytes.fromhex(proc.stdout.readline().strip())
+        rt = NvidiaRuntime.load(nvml_module=fake_nvml(), cuda_library=libcuda)
+        with pytest.raises(ValueError, match="64 bytes"):
+            rt.open_ipc_handle(handle[:10], device=0, size=1 << 20)
+        remote = rt.open_ipc_handle(handle, device=0, size=1 << 20)
+        seen = bytearray(1 << 20)
+        rt.copy_to_host(seen, remote)
+        assert bytes(seen) == bytes(range(256)) * 4096
+        rt.copy_to_device(remote, b"\xee" * 4096, offset=4096)
+        rt.close_ipc_handle(remote)
+        rt.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        expected = bytearray(bytes(range(256)) * 4096)
+        expected[4096:8192] = b"\xee" * 4096
+        assert proc.stdout.readline().strip() == hashlib.sha256(expected).hexdigest()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_dmabuf_unsupported_and_errors_are_exact(libcuda: str, monkeypatch: pytest.MonkeyPatch) -> None:

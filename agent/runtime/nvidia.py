@@ -63,10 +63,24 @@ _CUDA_SIGNATURES: dict[str, list[Any]] = {
     "cuPointerSetAttribute": [ctypes.c_void_p, ctypes.c_int, CUdeviceptr],
     "cuGetErrorName": [ctypes.c_int, _cu_ptr(ctypes.c_char_p)],
 }
+
+
+class CUipcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed BY VALUE to cuIpcOpenMemHandle."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
 # Absent before CUDA 11.7 drivers: then dma-buf export is Unsupported, not a load failure.
+# The IPC open/close pair makes the link transport work between processes; without it the
+# link is Unsupported for remote segments and transfers fall back to shm/tcp.
 _CUDA_OPTIONAL: dict[str, list[Any]] = {
     "cuMemGetHandleForAddressRange": [ctypes.c_void_p, CUdeviceptr, ctypes.c_size_t, ctypes.c_int,
                                       ctypes.c_ulonglong],
+    "cuIpcOpenMemHandle_v2": [_cu_ptr(CUdeviceptr), CUipcMemHandle, ctypes.c_uint],
+    "cuIpcCloseMemHandle": [CUdeviceptr],
 }
 
 
@@ -311,6 +325,24 @@ class NvidiaRuntime:
         self._use(buffer.device)
         self._cu("cuIpcGetMemHandle", ctypes.byref(handle), buffer.address)
         return bytes(handle.raw)
+
+    def open_ipc_handle(self, handle: bytes, *, device: int, size: int) -> DeviceBuffer:
+        """Map another process's allocation into this one (cuIpcOpenMemHandle, peer access enabled lazily)."""
+        if not self._cu.has("cuIpcOpenMemHandle_v2"):
+            raise Unsupported(f"{CUDA_LIBRARY} (driver {self.driver_version}) lacks cuIpcOpenMemHandle_v2")
+        if len(handle) != ctypes.sizeof(CUipcMemHandle):
+            raise ValueError(f"handle: a CUDA IPC handle is 64 bytes, got {len(handle)}")
+        raw = CUipcMemHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, len(handle))
+        pointer = CUdeviceptr()
+        self._use(device)
+        self._cu("cuIpcOpenMemHandle_v2", ctypes.byref(pointer), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        return DeviceBuffer(device=device, address=pointer.value, size=size, extra={"imported": True})
+
+    def close_ipc_handle(self, buffer: DeviceBuffer) -> None:
+        """Unmap a buffer from ``open_ipc_handle`` (the exporting process still owns the memory)."""
+        self._use(buffer.device)
+        self._cu("cuIpcCloseMemHandle", buffer.address)
 
     def export_dmabuf(self, buffer: DeviceBuffer) -> int:
         """A dma-buf fd for the whole buffer (caller closes it); Unsupported says exactly why not."""
