@@ -126,13 +126,19 @@ class BatchHandle:
                 result.transport = transport
             result.error = error
             self._remaining -= 1
-            last = self._remaining == 0 and not self._aborting
-            if last:
-                self._released = True
-                callbacks, self._callbacks = self._callbacks, []
-        if last:
+            callbacks = self._claim_release()
+        if callbacks is not None:
             self._release(callbacks)
         return True
+
+    def _claim_release(self) -> list[Callable[[BatchHandle], None]] | None:
+        """With ``_lock`` held: mark the batch released once nothing is pending and no abort runs;
+        returns the callbacks to run (outside the lock), or None when it is not time yet."""
+        if self._remaining or self._aborting or self._released:
+            return None
+        self._released = True
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
 
     def _release(self, callbacks: list[Callable[[BatchHandle], None]]) -> None:
         self._done.release()
@@ -166,11 +172,8 @@ class BatchHandle:
                         expired += self.finish(index, Status.TIMEOUT, error=reason)
                 with self._lock:
                     self._aborting = False
-                    release = not self._remaining and not self._released
-                    if release:
-                        self._released = True
-                        callbacks, self._callbacks = self._callbacks, []
-                if release:
+                    callbacks = self._claim_release()
+                if callbacks is not None:
                     self._release(callbacks)
             return expired
 
