@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_without_gpu_machine_deps
 
 from daybreak.agent.runtime import RuntimeCallError, RuntimeUnavailable, Unsupported
 from daybreak.agent.runtime.nvidia import NvidiaRuntime
@@ -280,18 +281,8 @@ def test_call_error_carries_the_cuda_name(libcuda: str) -> None:
 def test_gpu_check_script_says_no_gpu_here() -> None:
     """The lent-machine script, run as the lead runs it, on this GPU-less machine, with the heavy
     dependencies blocked as they are absent there."""
-    wrapper = textwrap.dedent(f"""
-        import runpy, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('pydantic', 'kubernetes', 'kubernetes_asyncio', 'kopf'):
-                    raise ImportError('not on the GPU machine: ' + name)
-        sys.meta_path.insert(0, Block())
-        sys.argv = ['gpu_check_agent.py']
-        runpy.run_path({str(REPO / "hack" / "gpu_check_agent.py")!r}, run_name='__main__')
-    """)
-    proc = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120, cwd="/",
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    proc = run_without_gpu_machine_deps(REPO / "hack" / "gpu_check_agent.py",
+                                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "heavy_modules_imported=none" in proc.stdout
     assert "NO NVIDIA GPU: the nvidia runtime did not load: nvmlInit failed" in proc.stdout

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from sunrise_lib.build import build, node
+from support import run_without_gpu_machine_deps
 
 from daybreak.agent.runtime.sunrise import SunriseRuntime
 from daybreak.agent.store.checksum import crc32c
@@ -98,16 +96,6 @@ def test_agent_with_hbm_tier_serves_clients(libdir: Path, tmp_path: Path, monkey
 
 def test_gpu_check_without_a_gpu_says_why_and_fails() -> None:
     # As on the lent GPU machine: no pydantic, kopf or kubernetes importable.
-    wrapper = textwrap.dedent(f"""
-        import runpy, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("pydantic", "kopf", "kubernetes", "kubernetes_asyncio"):
-                    raise ImportError("not on the GPU machine: " + name)
-        sys.meta_path.insert(0, Block())
-        sys.argv = ["gpu_check_store.py"]
-        runpy.run_path({str(ROOT / "hack" / "gpu_check_store.py")!r}, run_name="__main__")
-    """)
-    out = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120, cwd="/")
+    out = run_without_gpu_machine_deps(ROOT / "hack" / "gpu_check_store.py")
     assert out.returncode == 2
     assert "no usable NVIDIA GPU here" in out.stderr and "nothing was measured" in out.stderr

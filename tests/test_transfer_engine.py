@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from support import layout as pack
 
 from daybreak.agent.transfer import (
     RemoteSegment,
@@ -52,15 +53,6 @@ def _start(peers: list[PeerProcess], **kwargs: object) -> PeerProcess:
     return peer
 
 
-def _layout(sizes: list[int]) -> list[tuple[int, int]]:
-    """(offset, size) for each size, packed with a little gap so neighbours cannot mask a bad write."""
-    out, offset = [], 0
-    for size in sizes:
-        out.append((offset, size))
-        offset += size + 4096
-    return out
-
-
 @pytest.fixture
 def engine() -> Iterator[TransferEngine]:
     with TransferEngine(node=_unique("local"), transports=("shm", "tcp")) as eng:
@@ -78,7 +70,7 @@ def test_mixed_sizes_arrive_byte_exact(peer_factory: list[PeerProcess], transpor
     with TransferEngine(node=local_node, transports=("shm", "tcp"), checksum=checksum) as engine:
         remote = engine.open_remote(peer.descriptor)
         assert engine.route(remote)[0] == transport
-        layout = _layout(SIZES)
+        layout = pack(SIZES)
         sources = [pattern(i + 1, size) for i, (_, size) in enumerate(layout)]
         batch = engine.submit([TransferRequest.write(remote, off, src) for (off, _), src in zip(layout, sources, strict=True)],
                               timeout_s=60)

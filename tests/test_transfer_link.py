@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from sunrise_lib.build import build, node
+from support import layout as pack
 
 from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.runtime.sunrise import SunriseRuntime
@@ -59,14 +60,6 @@ def _device_sha(rt: SunriseRuntime, buf: DeviceBuffer, offset: int, length: int)
     return hashlib.sha256(out).hexdigest()
 
 
-def _layout() -> list[tuple[int, int]]:
-    out, offset = [], 0
-    for size in SIZES:
-        out.append((offset, size))
-        offset += size + 4096
-    return out
-
-
 def test_link_moves_mixed_sizes_device_to_device(runtime: SunriseRuntime, libdir: Path,
                                                  peers: list[PeerProcess]) -> None:
     total = sum(s + 4096 for s in SIZES)
@@ -81,7 +74,7 @@ def test_link_moves_mixed_sizes_device_to_device(runtime: SunriseRuntime, libdir
             local = engine.register_segment(local_buf, name="hbm0")
             remote = engine.open_remote(peer.descriptor)
             assert engine.route(remote) == ("link", "tcp")
-            layout = _layout()
+            layout = pack(SIZES)
             for i, (off, size) in enumerate(layout):
                 runtime.copy_to_device(local_buf, pattern(i + 1, size), offset=off)
             batch = engine.submit([TransferRequest.write(remote, off, local, local_offset=off, length=size)

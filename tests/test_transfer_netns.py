@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from support import layout as pack
 
 from daybreak.agent.transfer.peerproc import PeerProcess, pattern
 
@@ -81,19 +82,11 @@ def pair(veth: Net) -> Iterator[tuple[PeerProcess, PeerProcess, Net]]:
         b.close()
 
 
-def _layout() -> list[tuple[int, int]]:
-    out, offset = [], 0
-    for size in SIZES:
-        out.append((offset, size))
-        offset += size + 4096
-    return out
-
-
 def test_mixed_sizes_cross_namespaces_byte_exact(pair: tuple[PeerProcess, PeerProcess, Net]) -> None:
     a, b, net = pair
     assert json.loads(b.descriptor)["tcp_endpoint"].startswith(net.addr_b)
     rid = a.open(b.descriptor)
-    layout = _layout()
+    layout = pack(SIZES)
     for i, (off, size) in enumerate(layout):
         a.fill(i + 1, off, size)
     results = a.batch([("write", rid, off, off, size) for off, size in layout], timeout_s=60)
@@ -114,7 +107,7 @@ def test_cut_link_times_out_killed_peer_fails(pair: tuple[PeerProcess, PeerProce
     a, b, net = pair
     rid = a.open(b.descriptor)
     big = SIZES[-1]
-    off = _layout()[-1][0]
+    off = pack(SIZES)[-1][0]
     assert a.batch([("write", rid, 0, 0, 1)], timeout_s=10)[0]["status"] == "completed"
     # a cut cable sends no RST: only the deadline can end these requests
     _ip("-n", net.ns_b, "link", "set", net.dev_b, "down")

@@ -1,0 +1,37 @@
+"""Helpers shared by several test modules (pytest does not collect this file)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+# What the lent GPU machine lacks: the GPU check scripts must run without them.
+GPU_MACHINE_ABSENT = ("pydantic", "kopf", "kubernetes", "kubernetes_asyncio")
+
+
+def layout(sizes: Sequence[int], *, gap: int = 4096) -> list[tuple[int, int]]:
+    """``(offset, size)`` of each size packed into one segment, ``gap`` bytes apart."""
+    out, offset = [], 0
+    for size in sizes:
+        out.append((offset, size))
+        offset += size + gap
+    return out
+
+
+def run_without_gpu_machine_deps(script: Path, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a ``hack/`` script as on the GPU machine: a fresh interpreter where the heavy modules fail to import."""
+    wrapper = textwrap.dedent(f"""
+        import runpy, sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in {GPU_MACHINE_ABSENT!r}:
+                    raise ImportError('not on the GPU machine: ' + name)
+        sys.meta_path.insert(0, Block())
+        sys.argv = [{script.name!r}]
+        runpy.run_path({str(script)!r}, run_name='__main__')
+    """)
+    return subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120, cwd="/",
+                          env=env)
