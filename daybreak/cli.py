@@ -22,8 +22,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "topo": ("daybreak.agent.topo_cmd", "print the accelerator/NIC topology of this machine"),
     "bench": ("daybreak.bench.cmd", "run benchmarks against their anchors"),
     "crds": ("daybreak.api.crdgen", "generate CRD YAML from the API models"),
-    "sim-engine": ("daybreak.engine.sim", "run a simulated prefill or decode engine"),
-    "router": ("daybreak.engine.router", "run the PD request router"),
+    "sim-engine": ("daybreak.serving.sim", "run a simulated prefill or decode engine"),
+    "router": ("daybreak.serving.router", "run the PD request router"),
+    "load": ("daybreak.serving.load", "replay a trace or generate sessions against an OpenAI-compatible URL"),
 }
 
 

@@ -1,1 +1,0 @@
-"""Inference engines Daybreak drives: the simulated engine and the PD router."""
