@@ -365,8 +365,8 @@ def bench_redis(server: Host, client: Host, *, sizes: dict[str, int], mib: int, 
 
 def bench_rss(*, gib: int, work: Path) -> dict[str, Any]:
     """Fill a ``gib`` GiB DRAM tier through shared memory, read it all back, report the agent's peak RSS."""
-    from daybreak.agent.store.connection import Connection
     from daybreak.agent.store.local import LocalAgent, cleanup_pool
+    from daybreak.pool.connection import Connection
 
     pool = f"rss{uuid.uuid4().hex[:6]}"
     token = work / f"{pool}.token"

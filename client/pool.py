@@ -18,12 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from daybreak.agent.store import protocol as p
-from daybreak.agent.store.checksum import crc32c
-from daybreak.agent.store.connection import Connection, RemoteError
-from daybreak.agent.store.placement import rank
-from daybreak.agent.store.tiers import populate
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool import protocol as p
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.placement import rank
+from daybreak.pool.shm import ShmSegment, populate
 
 log = logging.getLogger("daybreak.client")
 

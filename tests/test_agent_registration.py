@@ -16,7 +16,7 @@ import pytest
 
 from daybreak.agent.registration import Registrar, Segment, Verbs, host_segment
 from daybreak.agent.runtime.base import DeviceBuffer, Unsupported
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool.shm import ShmSegment
 
 _keys = itertools.count(0x1000)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daybreak.agent.store import protocol as p
-from daybreak.agent.store.connection import Connection, RemoteError
 from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
-from daybreak.agent.transfer.segment import SHM_DIR
 from daybreak.client import KVPoolClient, KVPoolError
+from daybreak.pool import protocol as p
+from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.shm import SHM_DIR
 
 
 @pytest.fixture
@@ -376,6 +376,6 @@ def test_local_first_writes_are_recorded_at_the_home(pool: dict[str, object]) ->
 
 
 def rank_home(key: str, addresses: list[str]) -> str:
-    from daybreak.agent.store.placement import rank
+    from daybreak.pool.placement import rank
 
     return rank(key, addresses)[0]

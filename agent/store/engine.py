@@ -19,8 +19,8 @@ from pathlib import Path
 
 from daybreak.agent.store import metrics as m
 from daybreak.agent.store.eviction import Policy, make_policy
-from daybreak.agent.store.protocol import Status
 from daybreak.agent.store.tiers import JOURNAL_DEL, JOURNAL_PUT, Adopted, DramTier, HbmTier, SsdTier
+from daybreak.pool.protocol import Status
 
 log = logging.getLogger("daybreak.store.engine")
 
@@ -293,7 +293,7 @@ class BlockStore:
 
     def drop_corrupt(self, key: str) -> bool:
         """A reader saw a checksum mismatch: re-verify here and drop the block if it is really bad."""
-        from daybreak.agent.store.checksum import crc32c
+        from daybreak.pool.checksum import crc32c
 
         with self.lock:
             block = self.blocks.get(key)

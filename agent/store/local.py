@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daybreak.agent.store.tiers import slug
-from daybreak.agent.transfer.segment import SHM_DIR
+from daybreak.pool.shm import SHM_DIR
 
 
 def free_port(host: str = "127.0.0.1") -> int:

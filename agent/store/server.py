@@ -15,7 +15,6 @@ block to the key's new homes among the others, and only then stops.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import queue
@@ -24,15 +23,17 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from daybreak.agent.store import protocol as p
-from daybreak.agent.store.checksum import crc32c
-from daybreak.agent.store.connection import Connection, parse_address
 from daybreak.agent.store.engine import Block, BlockStore, Reservation
-from daybreak.agent.store.placement import rank
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool import protocol as p
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.connection import Connection, parse_address
+from daybreak.pool.handshake import AuthenticationFailed, Hello, server_accept
+from daybreak.pool.placement import rank
+from daybreak.pool.shm import ShmSegment
+from daybreak.pool.sockets import discard, recv_exact_into, send_all
 
 log = logging.getLogger("daybreak.store.server")
 
@@ -407,18 +408,16 @@ class StoreServer:
             self._conns.add(conn)
         try:
             conn.settimeout(30.0)  # a client that stalls inside the handshake is dropped
-            header, meta = p.read_frame(conn)
-            if header.op != p.Op.HELLO:
-                raise p.ProtocolError(f"first frame is {header.op.name}, expected HELLO")
-            hello = p.Hello.decode(meta)
-            if header.data_len or not hmac.compare_digest(hello.token, self.token):
+            channel = _HelloChannel(conn, self._error)
+            try:
+                server_accept(channel, token=self.token)
+            except AuthenticationFailed:
                 self.store.metrics.rejected.labels(reason="auth").inc()
-                self._error(conn, header.request_id, "authentication failed: wrong pool token")
                 log.warning("event=connection_refused agent=%s peer=%s reason=wrong_token", self.agent_id, peer)
                 return
             reply = p.HelloReply(self.agent_id, self.pool, self.probe.name, self.nonce, self.lease_seconds,
                                  self.replicas).encode()
-            p.send_all(conn, p.frame(p.Op.REPLY, reply, request_id=header.request_id))
+            send_all(conn, p.frame(p.Op.REPLY, reply, request_id=channel.request_id))
             conn.settimeout(None)
             while not self._closed.is_set():
                 try:
@@ -440,11 +439,11 @@ class StoreServer:
 
     def _error(self, conn: socket.socket, rid: int, text: str) -> None:
         with contextlib.suppress(OSError):
-            p.send_all(conn, p.frame(p.Op.ERROR, p.TextReply(text).encode(), request_id=rid))
+            send_all(conn, p.frame(p.Op.ERROR, p.TextReply(text).encode(), request_id=rid))
 
     def _reply(self, conn: socket.socket, rid: int, meta: bytes, data: list[memoryview] | None = None) -> None:
         total = sum(len(d) for d in data or [])
-        p.send_all(conn, [*p.frame(p.Op.REPLY, meta, request_id=rid, data_len=total), *(data or [])])
+        send_all(conn, [*p.frame(p.Op.REPLY, meta, request_id=rid, data_len=total), *(data or [])])
 
     def _dispatch(self, conn: socket.socket, header: p.Header, meta: bytearray) -> None:
         op, rid = header.op, header.request_id
@@ -522,7 +521,7 @@ class StoreServer:
             slots = [] if refused else [self.store.reserve(k, s, c, tier=tier, pin_seconds=req.pin_seconds)
                                         for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
         if refused:
-            p.discard(conn, header.data_len)
+            discard(conn, header.data_len)
             self._reply(conn, header.request_id,
                         p.BlocksReply([p.BlockInfo(p.Status.LEAVING) for _ in req.keys]).encode())
             return
@@ -530,13 +529,13 @@ class StoreServer:
         try:
             for slot, size in zip(slots, req.sizes, strict=True):
                 if not isinstance(slot, Reservation):
-                    p.discard(conn, size)
+                    discard(conn, size)
                 elif slot.tier == "hbm":
                     staging = memoryview(bytearray(size))
-                    p.recv_exact_into(conn, staging)
+                    recv_exact_into(conn, staging)
                     self.store.write_hbm(slot, staging)
                 else:
-                    p.recv_exact_into(conn, self.store.target(slot))
+                    recv_exact_into(conn, self.store.target(slot))
         except BaseException:
             self.store.commit(reserved, ok=False)
             raise
@@ -596,6 +595,29 @@ class StoreServer:
         infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, self.store.dram.segment_name(s.segment), s.offset)
                  if isinstance(s, Reservation) else p.BlockInfo(s) for s in slots]
         self._reply(conn, rid, p.BlocksReply(infos, rid_parked).encode())
+
+
+class _HelloChannel:
+    """The store protocol's side of ``pool.handshake.ServerChannel``: the first frame must be a HELLO."""
+
+    def __init__(self, conn: socket.socket, error: Callable[[socket.socket, int, str], None]) -> None:
+        self._conn = conn
+        self._error = error
+        self.request_id = 0
+
+    def recv_hello(self) -> Hello:
+        header, meta = p.read_frame(self._conn)
+        if header.op != p.Op.HELLO:
+            raise p.ProtocolError(f"first frame is {header.op.name}, expected HELLO")
+        self.request_id = header.request_id
+        hello = p.Hello.decode(meta)
+        if header.data_len:  # a HELLO has no data section: refused like a wrong token
+            self.send_refusal("wrong pool token")
+            raise AuthenticationFailed("HELLO frame with a data section")
+        return Hello(hello.token, hello.client)
+
+    def send_refusal(self, reason: str) -> None:
+        self._error(self._conn, self.request_id, f"authentication failed: {reason}")
 
 
 def _rss_bytes() -> int:

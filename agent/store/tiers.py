@@ -23,12 +23,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
-from daybreak.agent.store.checksum import crc32c
-from daybreak.agent.transfer.segment import SHM_DIR, ShmSegment
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.shm import SHM_DIR, ShmSegment, populate
 
 log = logging.getLogger("daybreak.store.tiers")
 
@@ -36,20 +35,6 @@ SEGMENT_MAX_BYTES = 1 << 30
 _JOURNAL_MAGIC = b"DBJ1"
 _REC = struct.Struct("<IBHIQQI")  # record_len, kind, key_len, segment, offset, size, data_crc
 _PUT, _DEL = 1, 2
-
-
-MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
-MADV_POPULATE_WRITE = 23
-
-
-def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
-    """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
-    mapping: Any = segment.buffer.obj  # the segment's mmap object
-    try:
-        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
-    except (OSError, ValueError, AttributeError):
-        return False
-    return True
 
 
 def slug(text: str) -> str:

@@ -33,7 +33,7 @@ from daybreak.agent.transfer import metrics
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
 from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger("daybreak.transfer")
 

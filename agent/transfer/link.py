@@ -27,7 +27,7 @@ from daybreak.agent.runtime.base import DeviceBuffer, RuntimeCallError, Unsuppor
 from daybreak.agent.transfer.batch import Op
 from daybreak.agent.transfer.descriptor import DeviceRegion
 from daybreak.agent.transfer.engine import Job, LocalSegment, RemoteSegment, TransferEngine, Transport
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger("daybreak.transfer.link")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from daybreak.agent.transfer.batch import Op, TransferRequest
 from daybreak.agent.transfer.engine import LocalSegment, RemoteSegment, TransferEngine
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool.shm import ShmSegment
 
 
 class PeerProcess:

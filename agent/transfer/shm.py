@@ -11,7 +11,7 @@ import logging
 
 from daybreak.agent.transfer.batch import Op
 from daybreak.agent.transfer.engine import Job, RemoteSegment, TransferEngine, Transport
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger("daybreak.transfer.shm")
 

@@ -34,6 +34,7 @@ import crc32c
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
+from daybreak.pool.sockets import recv_exact_into, send_all
 
 log = logging.getLogger("daybreak.transfer.tcp")
 
@@ -48,31 +49,6 @@ _DRAIN = 1 << 20
 
 class PeerError(Exception):
     """The peer answered ERROR for a frame: the request is wrong for it, not the path."""
-
-
-def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
-    """Send every buffer with as few ``sendmsg`` calls as the kernel allows; no joining, no copies."""
-    bufs = [memoryview(b) for b in buffers]
-    first = 0
-    while first < len(bufs):
-        sent = sock.sendmsg(bufs[first:first + 1000])
-        while sent:
-            size = bufs[first].nbytes
-            if sent >= size:
-                sent -= size
-                first += 1
-            else:
-                bufs[first] = bufs[first][sent:]
-                sent = 0
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    pos, size = 0, view.nbytes
-    while pos < size:
-        got = sock.recv_into(view[pos:], size - pos)
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        pos += got
 
 
 def _parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
@@ -386,7 +362,7 @@ class _Conn:
             if not frame.sync:
                 self.ready.notify()  # sync frames are read by their waiter (or after a kick)
         try:
-            _sendmsg_all(self.sock, buffers)
+            send_all(self.sock, buffers)
         except OSError as exc:
             self._broken(f"send to {self.peer.endpoint} failed: {exc}")
             return False
@@ -431,7 +407,7 @@ class _Conn:
         """Read and dispatch one answer (caller holds ``recv_lock``); a broken stream breaks the connection."""
         try:
             header = memoryview(self.header)
-            _recv_exact(self.sock, header)
+            recv_exact_into(self.sock, header)
             hdr = wire.parse_header(header)
             with self.lock:
                 frame = self.inflight.pop(hdr.frame_id, None)
@@ -443,7 +419,7 @@ class _Conn:
                 self._land(hdr, frame)
             elif hdr.type is wire.FrameType.ERROR:
                 message = bytearray(hdr.payload_len)
-                _recv_exact(self.sock, memoryview(message))
+                recv_exact_into(self.sock, memoryview(message))
                 self.peer.fail_frame(frame, f"peer {self.peer.endpoint}: {message.decode(errors='replace')}",
                                      path=False)
             else:
@@ -456,14 +432,14 @@ class _Conn:
 
     def _land(self, hdr: wire.Header, frame: _Frame) -> None:
         table = bytearray(hdr.count * wire.EXTENT.size)
-        _recv_exact(self.sock, memoryview(table))
+        recv_exact_into(self.sock, memoryview(table))
         extents = wire.parse_extents(table, hdr.count, payload_len=hdr.payload_len)
         if len(extents) != len(frame.pieces) or any(e.length != p.view.nbytes
                                                     for e, p in zip(extents, frame.pieces, strict=True)):
             raise wire.MalformedFrame("DATA extents do not match the READ they answer")
         bad = ""
         for extent, piece in zip(extents, frame.pieces, strict=True):
-            _recv_exact(self.sock, piece.view)
+            recv_exact_into(self.sock, piece.view)
             if hdr.flags & wire.FLAG_CRC and crc32c.crc32c(piece.view) != extent.crc:
                 bad = f"crc32c mismatch in slice at remote offset {piece.offset}"
         if bad:
@@ -495,10 +471,10 @@ def _handshake(sock: socket.socket, engine: TransferEngine) -> str:
     body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
     sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
     header = bytearray(wire.HEADER.size)
-    _recv_exact(sock, memoryview(header))
+    recv_exact_into(sock, memoryview(header))
     hdr = wire.parse_header(header)
     payload = bytearray(hdr.payload_len)
-    _recv_exact(sock, memoryview(payload))
+    recv_exact_into(sock, memoryview(payload))
     if hdr.type is wire.FrameType.ERROR:
         raise ValueError(payload.decode(errors="replace"))
     if hdr.type is not wire.FrameType.HELLO:
@@ -520,10 +496,10 @@ def control_request(engine: TransferEngine, endpoint: str, kind: wire.FrameType,
             body = json.dumps(message).encode()
             sock.sendall(wire.pack_header(kind, frame_id=1, payload_len=len(body)) + body)
             header = bytearray(wire.HEADER.size)
-            _recv_exact(sock, memoryview(header))
+            recv_exact_into(sock, memoryview(header))
             hdr = wire.parse_header(header)
             payload = bytearray(hdr.payload_len)
-            _recv_exact(sock, memoryview(payload))
+            recv_exact_into(sock, memoryview(payload))
         except (ValueError, wire.MalformedFrame) as exc:
             raise OSError(f"control exchange with {endpoint} failed: {exc}") from None
     if hdr.type is wire.FrameType.ERROR:
@@ -631,7 +607,7 @@ class _ServerConn:
             view[:take] = self.spill[:take]
             self.spill = self.spill[take:]
         if take < view.nbytes:
-            _recv_exact(self.sock, view[take:])
+            recv_exact_into(self.sock, view[take:])
 
     def run(self) -> None:
         hdr = self._next_header()
@@ -742,7 +718,7 @@ class _ServerConn:
         total = sum(e.length for e in extents)
         head = wire.pack_header(wire.FrameType.DATA, frame_id=hdr.frame_id, count=len(answer), payload_len=total,
                                 flags=hdr.flags & wire.FLAG_CRC)
-        _sendmsg_all(self.sock, [head + wire.pack_extents(answer), *views])
+        send_all(self.sock, [head + wire.pack_extents(answer), *views])
 
     def _rdma_connect(self, hdr: wire.Header) -> None:
         request = self._message(hdr.payload_len)

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from daybreak.errors import DaybreakError
+from daybreak.pool.sockets import recv_exact
+
 MAGIC = b"DBKV"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHIIQ")
@@ -44,7 +47,7 @@ MAX_TEXT_BYTES = 4096
 Raw = bytes | bytearray | memoryview
 
 
-class ProtocolError(Exception):
+class ProtocolError(DaybreakError):
     """A frame that breaks the protocol; the connection that sent it is closed."""
 
 
@@ -539,49 +542,7 @@ def decode_request(op: Op, raw: Raw) -> object:
     return kind.decode(raw)
 
 
-# -- socket helpers -------------------------------------------------------------------------
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
-    got = 0
-    n = len(view)
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += r
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    if n:
-        recv_exact_into(sock, memoryview(buf))
-    return buf
-
-
-def discard(sock: socket.socket, n: int) -> None:
-    """Read and drop ``n`` bytes (data for keys that could not be stored)."""
-    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
-    while n > 0:
-        chunk = min(n, len(scratch))
-        recv_exact_into(sock, scratch[:chunk])
-        n -= chunk
-
-
-def send_all(sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-    """``sendmsg`` a list of buffers without joining them, resuming after partial sends."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        batch = views[:512]  # stay below IOV_MAX
-        sent = sock.sendmsg(batch)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+# -- framing on a socket ----------------------------------------------------------------------
 
 
 def read_frame(sock: socket.socket) -> tuple[Header, bytearray]:

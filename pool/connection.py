@@ -12,10 +12,13 @@ import itertools
 import socket
 from collections.abc import Sequence
 
-from daybreak.agent.store import protocol as p
+from daybreak.errors import DaybreakError
+from daybreak.pool import protocol as p
+from daybreak.pool.handshake import Hello, client_hello
+from daybreak.pool.sockets import recv_exact_into, send_all
 
 
-class RemoteError(Exception):
+class RemoteError(DaybreakError):
     """The agent answered with an ERROR frame (the text says why)."""
 
 
@@ -43,8 +46,7 @@ class Connection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ids = itertools.count(1)
         try:
-            _, meta = self._call(p.Op.HELLO, p.Hello(token, client).encode())
-            self.hello = p.HelloReply.decode(meta)
+            self.hello = client_hello(_HelloChannel(self), token=token, identity=client)
         except BaseException:
             self.sock.close()
             raise
@@ -58,7 +60,7 @@ class Connection:
               data: Sequence[memoryview] = ()) -> int:
         rid = next(self._ids) & 0xFFFFFFFF
         total = sum(len(d) for d in data)
-        p.send_all(self.sock, [*p.frame(op, meta, flags=flags, request_id=rid, data_len=total), *data])
+        send_all(self.sock, [*p.frame(op, meta, flags=flags, request_id=rid, data_len=total), *data])
         return rid
 
     def _reply(self, rid: int) -> tuple[p.Header, bytearray]:
@@ -105,7 +107,7 @@ class Connection:
             raise p.ProtocolError(f"{self.address}: data section {header.data_len} bytes, expected {expected}")
         for info, view in zip(reply.blocks, views, strict=True):
             if info.status == p.Status.OK and info.size:
-                p.recv_exact_into(self.sock, view[:info.size])
+                recv_exact_into(self.sock, view[:info.size])
         return reply.blocks
 
     def exists(self, keys: Sequence[str], *, flags: int = 0) -> list[p.BlockInfo]:
@@ -152,3 +154,18 @@ class Connection:
         _, raw = self._call(p.Op.STATS, b"")
         text = p.TextReply.decode(raw).text
         return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+class _HelloChannel:
+    """The store protocol's HELLO exchange (``pool.handshake.ClientChannel``): request and reply frames."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._rid = 0
+
+    def send_hello(self, hello: Hello) -> None:
+        self._rid = self._conn._send(p.Op.HELLO, p.Hello(hello.token, hello.identity).encode())
+
+    def recv_accept(self) -> p.HelloReply:
+        _, meta = self._conn._reply(self._rid)  # an ERROR frame (wrong token) raises RemoteError
+        return p.HelloReply.decode(meta)

@@ -1,4 +1,4 @@
-"""Named shared-memory segments in /dev/shm: the unit of memory the store serves and the shm transport maps.
+"""Named shared-memory segments in /dev/shm: the unit of memory the store serves, the client and shm transport map.
 
 A segment outlives the process that created it (that is how a restarted
 agent re-adopts its DRAM tier), so creating and unlinking are explicit.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 SHM_DIR = Path(os.environ.get("DAYBREAK_SHM_DIR", "/dev/shm"))
 
@@ -53,3 +54,17 @@ class ShmSegment:
 
     def unlink(self) -> None:
         self.path_of(self.name).unlink(missing_ok=True)
+
+
+MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
+MADV_POPULATE_WRITE = 23
+
+
+def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
+    """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
+    mapping: Any = segment.buffer.obj  # the segment's mmap object
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
