@@ -351,7 +351,7 @@ def test_stalled_fabric_times_out_and_flushes(pair: tuple[TransferEngine, Transf
 
 
 def test_no_devices_is_a_logged_fallback(fabric: Fabric, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="daybreak.transfer")
+    caplog.set_level(logging.INFO, logger="daybreak.agent.transfer")
     with TransferEngine(transports=("rdma", "tcp"), verbs=fake_verbs(fabric, [])) as engine:
         assert engine.transports == ("tcp",)
     assert "rdma disabled" in caplog.text and "Failed to get devices list" in caplog.text

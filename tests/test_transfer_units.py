@@ -86,7 +86,7 @@ class Clock:
 
 
 def test_breaker_trips_doubles_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="daybreak.transfer")
+    caplog.set_level("INFO", logger="daybreak.agent.transfer")
     clock = Clock()
     breaker = CircuitBreaker(threshold=3, base_cooldown_s=1.0, max_cooldown_s=3.0, clock=clock)
     key = ("unit-test-path", "peer-1")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from daybreak.agent.transfer.engine import RemoteSegment
+    from daybreak.agent.transfer.transport import RemoteSegment
 
 
 class Pump(Protocol):

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from daybreak.agent.transfer.batch import Op, TransferRequest
-from daybreak.agent.transfer.engine import LocalSegment, RemoteSegment, TransferEngine
+from daybreak.agent.transfer.engine import TransferEngine
+from daybreak.agent.transfer.transport import LocalSegment, RemoteSegment
 from daybreak.pool.shm import ShmSegment
 
 

@@ -43,11 +43,12 @@ from typing import Any
 
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
+from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
-from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
+from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
 
-log = logging.getLogger("daybreak.transfer.rdma")
+log = logging.getLogger(__name__)
 
 SQ_DEPTH = 128  # work requests in flight per queue pair
 CQ_DEPTH = 4096
@@ -212,9 +213,9 @@ class _Peer:
 class RdmaTransport(Transport):
     name = "rdma"
 
-    def __init__(self, engine: TransferEngine, *, verbs: Any = None, topology: Any = None, runtime: Any = None,
+    def __init__(self, host: TransportHost, *, verbs: Any = None, topology: Any = None, runtime: Any = None,
                  nics: list[str] | None = None, port: int = 1) -> None:
-        self.engine = engine
+        self.host = host
         self.verbs = verbs if verbs is not None else load_pyverbs()
         self.runtime = runtime
         if isinstance(topology, TopologyView) or topology is None:
@@ -326,8 +327,6 @@ class RdmaTransport(Transport):
 
     def _connect(self, peer: _Peer, job: Job) -> None:
         """Create queue pairs to every NIC the peer's segment is registered on, over its tcp server."""
-        from daybreak.agent.transfer.tcp import control_request
-
         d = job.remote.descriptor
         remote_nics = [r.nic for r in d.rdma]
         local = list(self.nics.values())
@@ -341,8 +340,9 @@ class RdmaTransport(Transport):
             offers.append({"local_nic": nic.name, "remote_nic": remote_nic, **self._endpoint_info(nic, qp, psn)})
         timeout = min(CONNECT_TIMEOUT_S, max(0.05, job.batch.deadline - time.monotonic()))
         try:
-            answer = control_request(self.engine, d.tcp_endpoint, wire.FrameType.RDMA_CONNECT,
-                                     {"engine_id": self.engine.engine_id, "pairs": offers}, timeout_s=timeout)
+            answer = control_request(d.tcp_endpoint, wire.FrameType.RDMA_CONNECT,
+                                     {"engine_id": self.host.engine_id, "pairs": offers},
+                                     engine_id=self.host.engine_id, token=self.host.token, timeout_s=timeout)
             accepted = answer["pairs"]
             if len(accepted) != len(fresh):
                 raise OSError(f"peer accepted {len(accepted)} of {len(fresh)} queue pairs")
@@ -401,7 +401,7 @@ class RdmaTransport(Transport):
         if job.view is None or job.view.readonly:
             return None
         address = ctypes.addressof(ctypes.c_char.from_buffer(job.view))
-        for segment in self.engine.local_segments():
+        for segment in self.host.local_segments():
             if segment.buffer is not None and "rdma" in segment.transport_state:
                 if segment.address <= address and address + job.length <= segment.address + segment.size:
                     return segment, address - segment.address
@@ -415,7 +415,7 @@ class RdmaTransport(Transport):
                     if not peer.live():
                         self._connect(peer, job)
             except Exception as exc:
-                self.engine.job_path_failed(job, f"queue-pair set-up with {job.peer} failed: {exc}", transport=self.name)
+                self.host.job_path_failed(job, f"queue-pair set-up with {job.peer} failed: {exc}", transport=self.name)
                 continue
             count = _Count((job.length + SLICE_BYTES - 1) // SLICE_BYTES)
             slices = [_Slice(job, count, off, min(SLICE_BYTES, job.length - off))
@@ -535,7 +535,7 @@ class RdmaTransport(Transport):
             s.count.left -= 1
             finished = s.count.left == 0 and job.state is s.count
         if finished:
-            self.engine.job_done(job, transport=self.name)
+            self.host.job_done(job, transport=self.name)
 
     def _retry(self, s: _Slice, cause: str) -> None:
         self._free_staging(s)
@@ -554,7 +554,7 @@ class RdmaTransport(Transport):
 
     def _give_up(self, s: _Slice, cause: str) -> None:
         if s.job.pending():
-            self.engine.job_path_failed(s.job, cause, transport=self.name)
+            self.host.job_path_failed(s.job, cause, transport=self.name)
 
     def _pair_failed(self, pair: _Pair, cause: str) -> None:
         if not pair.alive:

@@ -33,10 +33,13 @@ import crc32c
 
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
-from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
+from daybreak.agent.transfer.control import client_handshake, parse_endpoint, server_handshake
+from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
 from daybreak.pool.sockets import recv_exact_into, send_all
 
-log = logging.getLogger("daybreak.transfer.tcp")
+log = logging.getLogger(__name__)
+
+__all__ = ["TcpOptions", "TcpTransport"]
 
 MAX_ATTEMPTS = 3
 INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a connection is idle
@@ -45,17 +48,6 @@ INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a 
 PUMP_GRACE_S = 0.002
 CONNECT_TIMEOUT_S = 5.0
 _DRAIN = 1 << 20
-
-
-class PeerError(Exception):
-    """The peer answered ERROR for a frame: the request is wrong for it, not the path."""
-
-
-def _parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{field_name}: expected host:port, got {endpoint!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 @dataclass(slots=True)
@@ -82,14 +74,27 @@ class _Frame:
         return any(p.job.pending() for p in self.pieces)
 
 
+@dataclass(frozen=True, slots=True)
+class TcpOptions:
+    """The engine's tcp settings: where to listen, connections per peer, slice size, checksums."""
+
+    listen: str
+    advertise: str | None
+    connections: int
+    slice_bytes: int
+    checksum: bool
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self._engine = engine
+    def __init__(self, host: TransportHost, *, listen: str = "127.0.0.1:0", advertise: str | None = None,
+                 connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False) -> None:
+        self._host = host
+        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum)
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self._server = _Server(engine)
+        self._server = _Server(host, self.options)
         self.endpoint = self._server.endpoint
 
     def supports(self, job: Job) -> bool:
@@ -103,7 +108,7 @@ class TcpTransport(Transport):
             with self._lock:
                 peer = self._peers.get(endpoint)
                 if peer is None or peer.closed:
-                    peer = self._peers[endpoint] = _Peer(self._engine, endpoint)
+                    peer = self._peers[endpoint] = _Peer(self._host, self.options, endpoint)
             peer.submit(group)
 
     def abort(self, batch: BatchHandle) -> None:
@@ -148,10 +153,11 @@ def _slice(jobs: Sequence[Job], *, slice_bytes: int, checksum: bool) -> list[_Fr
 class _Peer:
     """All connections to one remote engine, sharing one queue of frames."""
 
-    def __init__(self, engine: TransferEngine, endpoint: str) -> None:
-        self.engine = engine
+    def __init__(self, host: TransportHost, options: TcpOptions, endpoint: str) -> None:
+        self.host = host
+        self.options = options
         self.endpoint = endpoint
-        self.address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
+        self.address = parse_endpoint(endpoint, field_name="tcp_endpoint")
         self.queue: queue.SimpleQueue[_Frame | None] = queue.SimpleQueue()
         self.conns: list[_Conn] = []
         self.lock = threading.Lock()  # guards conns; held while connecting
@@ -164,10 +170,10 @@ class _Peer:
             self._ensure_connections(jobs[0].batch.deadline)
         except OSError as exc:
             for job in jobs:
-                self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}", transport="tcp")
+                self.host.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}", transport="tcp")
             return
         budget = INLINE_SEND_BYTES
-        for frame in _slice(jobs, slice_bytes=self.engine.slice_bytes, checksum=self.engine.checksum):
+        for frame in _slice(jobs, slice_bytes=self.options.slice_bytes, checksum=self.options.checksum):
             # Small frames go out from the submitting thread when a connection is idle: handing
             # them to a sender thread costs a thread switch, which is most of a 64 KiB write.
             cost = frame.nbytes if frame.op is Op.WRITE else 0
@@ -194,12 +200,12 @@ class _Peer:
 
     def _ensure_connections(self, deadline: float) -> None:
         conns = self.conns
-        if len(conns) >= self.engine.tcp_connections and all(c.alive for c in conns):
+        if len(conns) >= self.options.connections and all(c.alive for c in conns):
             return  # the common case, without the lock
         with self.lock:
             alive = [c for c in self.conns if c.alive]
             self.conns = alive
-            missing = self.engine.tcp_connections - len(alive)
+            missing = self.options.connections - len(alive)
             for _ in range(missing):
                 timeout = max(0.05, min(CONNECT_TIMEOUT_S, deadline - time.monotonic()))
                 try:
@@ -254,9 +260,9 @@ class _Peer:
                 continue
             seen.add(id(job))
             if path:
-                self.engine.job_path_failed(job, cause, transport="tcp")
+                self.host.job_path_failed(job, cause, transport="tcp")
             else:
-                self.engine.job_request_failed(job, cause, transport="tcp")
+                self.host.job_request_failed(job, cause, transport="tcp")
 
     def pieces_done(self, frame: _Frame) -> None:
         finished: list[Job] = []
@@ -266,7 +272,7 @@ class _Peer:
                 if piece.job.state == 0:
                     finished.append(piece.job)
         if finished:
-            self.engine.jobs_done(finished, "tcp")
+            self.host.jobs_done(finished, "tcp")
 
     def abort(self, batch: BatchHandle) -> None:
         for conn in list(self.conns):
@@ -311,7 +317,8 @@ class _Conn:
         self.receiver.start()
 
     def _hello(self) -> None:
-        self.peer.peer_engine = _handshake(self.sock, self.peer.engine)
+        self.peer.peer_engine = client_handshake(self.sock, engine_id=self.peer.host.engine_id,
+                                                 token=self.peer.host.token)
 
     def carries(self, batch: BatchHandle) -> bool:
         with self.lock:
@@ -343,7 +350,7 @@ class _Conn:
         """Send one frame (caller holds ``send_lock``); False when this connection is dead."""
         if not frame.live():
             return True  # its batch finished (deadline) while it queued
-        checksum = self.peer.engine.checksum
+        checksum = self.peer.options.checksum
         frame_id = next(_Conn._ids)
         kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
         extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
@@ -466,65 +473,21 @@ class _Conn:
         self.peer.connection_lost(cause)
 
 
-def _handshake(sock: socket.socket, engine: TransferEngine) -> str:
-    """Client side of HELLO; returns the peer's engine id."""
-    body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
-    sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
-    header = bytearray(wire.HEADER.size)
-    recv_exact_into(sock, memoryview(header))
-    hdr = wire.parse_header(header)
-    payload = bytearray(hdr.payload_len)
-    recv_exact_into(sock, memoryview(payload))
-    if hdr.type is wire.FrameType.ERROR:
-        raise ValueError(payload.decode(errors="replace"))
-    if hdr.type is not wire.FrameType.HELLO:
-        raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
-    peer: str = json.loads(payload).get("engine_id", "")
-    return peer
-
-
-def control_request(engine: TransferEngine, endpoint: str, kind: wire.FrameType, message: dict[str, Any], *,
-                    timeout_s: float) -> dict[str, Any]:
-    """One request/answer exchange on a fresh connection (rdma queue-pair set-up rides on this).
-
-    Raises ``OSError`` when the peer cannot be reached and ``PeerError`` when it refuses.
-    """
-    address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
-    with socket.create_connection(address, timeout=max(0.05, timeout_s)) as sock:
-        try:
-            _handshake(sock, engine)
-            body = json.dumps(message).encode()
-            sock.sendall(wire.pack_header(kind, frame_id=1, payload_len=len(body)) + body)
-            header = bytearray(wire.HEADER.size)
-            recv_exact_into(sock, memoryview(header))
-            hdr = wire.parse_header(header)
-            payload = bytearray(hdr.payload_len)
-            recv_exact_into(sock, memoryview(payload))
-        except (ValueError, wire.MalformedFrame) as exc:
-            raise OSError(f"control exchange with {endpoint} failed: {exc}") from None
-    if hdr.type is wire.FrameType.ERROR:
-        raise PeerError(payload.decode(errors="replace"))
-    if hdr.type is not kind:
-        raise OSError(f"control exchange with {endpoint}: expected {kind.name}, got {hdr.type.name}")
-    answer: dict[str, Any] = json.loads(payload)
-    return answer
-
-
 # ---------------------------------------------------------------------------- server side
 class _Server:
     """Accepts peers' connections and serves READ/WRITE frames against registered segments."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
-        host, port = _parse_endpoint(engine.listen, field_name="listen")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    def __init__(self, host: TransportHost, options: TcpOptions) -> None:
+        self.host = host
+        address, port = parse_endpoint(options.listen, field_name="listen")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock.bind((address, port))
         self.sock.listen(128)
         bound_host, bound_port = self.sock.getsockname()[:2]
-        if engine.advertise:
-            self.endpoint = engine.advertise
+        if options.advertise:
+            self.endpoint = options.advertise
         else:
             shown = bound_host if bound_host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
             self.endpoint = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
@@ -562,7 +525,7 @@ class _Server:
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            _ServerConn(self.engine, conn, peer).run()
+            _ServerConn(self.host, conn, peer).run()
         except wire.MalformedFrame as exc:
             log.warning("tcp malformed frame, closing connection peer=%s cause=%r", peer, str(exc))
         except OSError as exc:
@@ -576,8 +539,8 @@ class _Server:
 
 
 class _ServerConn:
-    def __init__(self, engine: TransferEngine, sock: socket.socket, peer: str) -> None:
-        self.engine = engine
+    def __init__(self, host: TransportHost, sock: socket.socket, peer: str) -> None:
+        self.host = host
         self.sock = sock
         self.peer = peer
         # a header and the first extent usually arrive together: read both in one call
@@ -610,19 +573,8 @@ class _ServerConn:
             recv_exact_into(self.sock, view[take:])
 
     def run(self) -> None:
-        hdr = self._next_header()
-        if hdr.type is not wire.FrameType.HELLO:
-            raise wire.MalformedFrame(f"expected HELLO first, got {hdr.type.name}")
-        hello = self._message(hdr.payload_len)
-        try:
-            token = json.loads(hello).get("token", "")
-        except (ValueError, AttributeError):
-            raise wire.MalformedFrame("HELLO payload is not a JSON object") from None
-        if token != self.engine.token:
-            self._error(0, "bad token: this engine serves another pool")
-            raise wire.MalformedFrame(f"bad token from {self.peer}")
-        body = json.dumps({"engine_id": self.engine.engine_id}).encode()
-        self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+        server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
+                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer)
         while True:
             hdr = self._next_header()
             if hdr.type is wire.FrameType.WRITE:
@@ -658,7 +610,7 @@ class _ServerConn:
         views: list[memoryview] = []
         staged: list[tuple[Any, int, memoryview]] = []
         for extent in extents:
-            segment: LocalSegment | None = self.engine.served_segment(extent.segment)
+            segment: LocalSegment | None = self.host.served_segment(extent.segment)
             if segment is None:
                 return extents, [], [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
             if extent.offset + extent.length > segment.size:
@@ -666,7 +618,7 @@ class _ServerConn:
                                          f"{segment.segment_id} of {segment.size} bytes")
             if segment.buffer is not None:
                 views.append(segment.buffer[extent.offset:extent.offset + extent.length])
-            elif self.engine.runtime is not None and segment.device is not None:
+            elif self.host.runtime is not None and segment.device is not None:
                 bounce = memoryview(bytearray(extent.length))
                 views.append(bounce)
                 staged.append((segment.transport_state["device_buffer"], extent.offset, bounce))
@@ -695,7 +647,7 @@ class _ServerConn:
                     return
         try:
             for device, offset, bounce in staged:
-                self.engine.runtime.copy_to_device(device, bounce, offset=offset)
+                self.host.runtime.copy_to_device(device, bounce, offset=offset)
         except Exception as exc:
             self._error(hdr.frame_id, f"copy into device memory failed: {exc}")
             return
@@ -706,7 +658,7 @@ class _ServerConn:
         if not problem:
             try:
                 for device, offset, bounce in staged:
-                    self.engine.runtime.copy_to_host(bounce, device, offset=offset)
+                    self.host.runtime.copy_to_host(bounce, device, offset=offset)
             except Exception as exc:
                 problem = f"copy out of device memory failed: {exc}"
         if problem:
@@ -722,12 +674,12 @@ class _ServerConn:
 
     def _rdma_connect(self, hdr: wire.Header) -> None:
         request = self._message(hdr.payload_len)
-        rdma = self.engine._transports.get("rdma")
+        rdma = self.host.find_transport("rdma")
         if rdma is None:
             self._error(hdr.frame_id, "rdma is not enabled on this engine")
             return
         try:
-            answer = rdma.accept(json.loads(request))  # type: ignore[attr-defined]
+            answer = rdma.accept(json.loads(request))
         except Exception as exc:
             self._error(hdr.frame_id, f"rdma connect refused: {exc}")
             return
