@@ -23,14 +23,13 @@ hardware (this project's machines have none). Shape:
 pyverbs names used: device.get_device_list/Context(query_port, query_gid),
 pd.PD, mr.MR/DmaBufMR, cq.CQ(poll), qp.QPCap/QPInitAttr/QPAttr/QP(to_rts,
 modify, post_send, qp_num), addr.GID/GlobalRoute/AHAttr, wr.SGE/SendWR
-(set_wr_rdma) and the IBV_* constants from pyverbs.libibverbs_enums (rdma-core
-v59+) or pyverbs.enums (older).
+(set_wr_rdma) and the IBV_* constants, all through the one shim ``daybreak.agent.verbs``
+(pyverbs.libibverbs_enums in rdma-core v59+, pyverbs.enums before).
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import itertools
 import logging
 import random
@@ -38,7 +37,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from daybreak.agent.transfer import metrics, wire
@@ -47,8 +45,11 @@ from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
+from daybreak.agent.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
 
 log = logging.getLogger(__name__)
+
+__all__ = ["RdmaTransport", "RdmaUnavailable", "enum", "load_pyverbs"]
 
 SQ_DEPTH = 128  # work requests in flight per queue pair
 CQ_DEPTH = 4096
@@ -57,36 +58,9 @@ MAX_ATTEMPTS = 3
 CONNECT_TIMEOUT_S = 5.0
 
 
-class RdmaUnavailable(Exception):
-    """No usable RDMA stack (pyverbs missing, no devices, no active port); the engine falls back to tcp."""
-
-
-def load_pyverbs() -> Any:
+def load_pyverbs() -> Verbs:
     """The pyverbs modules the transport uses, with the enum module of whichever rdma-core is installed."""
-    try:
-        modules = {n: importlib.import_module(f"pyverbs.{n}") for n in ("device", "pd", "mr", "cq", "qp", "addr", "wr")}
-    except ImportError as exc:
-        raise RdmaUnavailable(f"pyverbs not importable ({exc}); install python3-pyverbs and put "
-                              "/usr/lib/python3/dist-packages on the path") from None
-    try:
-        enums = importlib.import_module("pyverbs.libibverbs_enums")  # rdma-core v59 and later
-    except ImportError:
-        enums = importlib.import_module("pyverbs.enums")
-    return SimpleNamespace(enums=enums, **modules)
-
-
-def enum(verbs: Any, name: str) -> int:
-    """``IBV_*`` constant by name: module level (old pyverbs.enums) or inside an enum class (v59)."""
-    module = verbs.enums
-    value = getattr(module, name, None)
-    if value is not None:
-        return int(value)
-    for item in vars(module).values():
-        if isinstance(item, type):
-            member = getattr(item, name, None)
-            if member is not None:
-                return int(member)
-    raise RdmaUnavailable(f"pyverbs has no constant {name}")
+    return Verbs.load(modules=TRANSPORT_MODULES)
 
 
 @dataclass(slots=True, eq=False)
