@@ -179,17 +179,9 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     store = server.store
 
     def segments() -> list[Any]:
-        return [host_segment(seg.name, seg.buffer) for seg in store.dram.segments]
+        return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
-    def usage() -> dict[str, int]:
-        used = {"dram": store.dram.used}
-        if store.ssd is not None:
-            used["ssd"] = store.ssd.used
-        if store.hbm is not None:
-            used["hbm"] = store.hbm.used
-        return used
-
-    return {"store_segments": segments, "tier_usage": usage}
+    return {"store_segments": segments, "tier_usage": store.usage}
 
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:
