@@ -274,12 +274,12 @@ def test_pdd_status_pool_not_found_and_ready() -> None:
 
 # -- conditions, queue, settings ---------------------------------------------------------------------
 def test_condition_merge_moves_transition_time_only_on_status_change() -> None:
-    first = cond.merge(None, [cond.Condition("Ready", "False", "A")], generation=1, now="t1")
+    first = cond.merge(None, [cond.Condition(type="Ready", status="False", reason="A")], generation=1, now="t1")
     same = cond.merge([*first, {"type": "Foreign", "status": "True"}],
-                      [cond.Condition("Ready", "False", "B", "m")], generation=2, now="t2")
+                      [cond.Condition(type="Ready", status="False", reason="B", message="m")], generation=2, now="t2")
     assert same[0]["lastTransitionTime"] == "t1" and same[0]["reason"] == "B" and same[0]["observedGeneration"] == 2
     assert same[1] == {"type": "Foreign", "status": "True"}
-    flipped = cond.merge(same, [cond.Condition("Ready", "True", "C")], generation=2, now="t3")
+    flipped = cond.merge(same, [cond.Condition(type="Ready", status="True", reason="C")], generation=2, now="t3")
     assert flipped[0]["lastTransitionTime"] == "t3"
 
 
