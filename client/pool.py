@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from daybreak.errors import DaybreakError
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection, RemoteError
@@ -32,7 +33,7 @@ _MAX_BATCH_KEYS = 1024
 _MAX_BATCH_BYTES = 1 << 30
 
 
-class KVPoolError(Exception):
+class KVPoolError(DaybreakError):
     """The pool could not be reached or refused the client (for example a wrong token)."""
 
 

@@ -10,6 +10,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from daybreak.errors import DaybreakError
+
 if TYPE_CHECKING:
     from daybreak.agent.transfer.transport import RemoteSegment
 
@@ -36,7 +38,7 @@ class Status(enum.Enum):
     TIMEOUT = "timeout"
 
 
-class TransferError(Exception):
+class TransferError(DaybreakError):
     """A request (or a whole batch, from ``raise_for_status``) did not complete; the message says why."""
 
 

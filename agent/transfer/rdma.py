@@ -46,6 +46,7 @@ from daybreak.agent.transfer.descriptor import NicRegion
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
 from daybreak.agent.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
+from daybreak.errors import DaybreakError
 
 log = logging.getLogger(__name__)
 
@@ -634,7 +635,7 @@ class RdmaTransport(Transport):
             nic.close()
 
 
-class _Skip(Exception):
+class _Skip(DaybreakError):
     """The slice's request already finished (deadline or failure elsewhere): do not post it."""
 
 
