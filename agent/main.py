@@ -27,7 +27,7 @@ from typing import Any
 
 from daybreak.agent.settings import AgentSettings
 
-log = logging.getLogger("daybreak.agent")
+log = logging.getLogger(__name__)
 
 _SIZES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}

@@ -25,7 +25,7 @@ from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.placement import rank
 from daybreak.pool.shm import ShmSegment, populate
 
-log = logging.getLogger("daybreak.client")
+log = logging.getLogger(__name__)
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DOWN_SECONDS = 2.0
