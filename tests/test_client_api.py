@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.client import AsyncKVPoolClient, KVPoolClient, KVPoolError, block_hashes
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import yaml
 
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "daybreak"

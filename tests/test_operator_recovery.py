@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

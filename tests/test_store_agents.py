@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.client import KVPoolClient, KVPoolError
 from daybreak.pool import protocol as p
 from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.shm import SHM_DIR
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 
 @pytest.fixture

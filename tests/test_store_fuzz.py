@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.client import KVPoolClient
 from daybreak.pool import protocol as p
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 pytestmark = pytest.mark.fuzz
 

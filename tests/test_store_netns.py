@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daybreak.agent.store.local import LocalAgent, NetnsPair, cleanup_pool, free_port
+from daybreak.testing.store_agent import LocalAgent, NetnsPair, cleanup_pool, free_port
 
 pytestmark = pytest.mark.netns
 

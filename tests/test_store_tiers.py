@@ -14,10 +14,10 @@ from support import run_without_gpu_machine_deps
 
 from daybreak.agent.runtime.sunrise import SunriseRuntime
 from daybreak.agent.store.engine import BlockStore, Reservation, StoreConfig
-from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
 from daybreak.agent.store.tiers import HbmTier
 from daybreak.client import KVPoolClient
 from daybreak.pool.checksum import crc32c
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSES = ["0000:12:00.0", "0000:13:00.0"]

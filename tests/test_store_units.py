@@ -16,10 +16,10 @@ import pytest
 from daybreak.agent.store.alloc import ALIGN, Arena
 from daybreak.agent.store.engine import BlockStore, Reservation, StoreConfig
 from daybreak.agent.store.eviction import LRU, S3FIFO, make_policy
-from daybreak.agent.store.local import cleanup_pool
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import _slow_crc32c, crc32c
 from daybreak.pool.placement import rank
+from daybreak.testing.store_agent import cleanup_pool
 
 
 def test_crc32c_matches_reference_and_fallback() -> None:

@@ -21,7 +21,7 @@ from daybreak.agent.transfer import (
     TransferRequest,
     metrics,
 )
-from daybreak.agent.transfer.peerproc import PeerProcess, pattern
+from daybreak.testing.transfer_peer import PeerProcess, pattern
 
 MiB = 1 << 20
 # 1 byte to 64 MiB, with odd sizes that straddle slice and page boundaries

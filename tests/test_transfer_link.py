@@ -16,7 +16,7 @@ from support import layout as pack
 from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.runtime.sunrise import SunriseRuntime
 from daybreak.agent.transfer import Status, TransferEngine, TransferRequest, metrics
-from daybreak.agent.transfer.peerproc import PeerProcess, pattern
+from daybreak.testing.transfer_peer import PeerProcess, pattern
 
 MiB = 1 << 20
 BUSES = ["0000:12:00.0", "0000:13:00.0", "0000:03:00.0", "0000:04:00.0"]

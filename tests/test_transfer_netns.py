@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 from support import layout as pack
 
-from daybreak.agent.transfer.peerproc import PeerProcess, pattern
+from daybreak.testing.transfer_peer import PeerProcess, pattern
 
 pytestmark = pytest.mark.netns
 

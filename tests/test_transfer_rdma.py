@@ -26,8 +26,8 @@ import pytest
 
 from daybreak.agent.transfer import Status, TransferEngine, TransferRequest, metrics
 from daybreak.agent.transfer.paths import NoPath, SliceSpec, TopologyView, plan
-from daybreak.agent.transfer.peerproc import pattern
 from daybreak.agent.transfer.rdma import RdmaTransport, RdmaUnavailable, enum
+from daybreak.testing.transfer_peer import pattern
 
 MiB = 1 << 20
 

@@ -1,6 +1,6 @@
 """A self-check of the engine's device-memory paths on a machine with a real accelerator runtime.
 
-``python -m daybreak.agent.transfer.devicecheck [--mib N]`` allocates device
+``python -m daybreak.testing.devicecheck [--mib N]`` allocates device
 memory in this process and in a peer process (same node), moves it both ways
 through whatever chain the engine picks (link where the runtime can open the
 peer's IPC handle, else tcp staged through host memory), checks every byte by
@@ -19,7 +19,7 @@ import uuid
 from daybreak.agent.runtime import load_runtime
 from daybreak.agent.transfer.batch import TransferRequest
 from daybreak.agent.transfer.engine import TransferEngine
-from daybreak.agent.transfer.peerproc import PeerProcess
+from daybreak.testing.transfer_peer import PeerProcess
 
 MiB = 1 << 20
 

@@ -1,6 +1,6 @@
 """A transfer engine in its own process, driven line by line over stdin: the peer for tests and benchmarks.
 
-Run as ``python -m daybreak.agent.transfer.peerproc --segment-bytes N [--shm-name NAME] ...``.
+Run as ``python -m daybreak.testing.transfer_peer --segment-bytes N [--shm-name NAME] ...``.
 It starts an engine, registers one segment and prints its descriptor as the
 first line of stdout, then answers one line per command:
 
@@ -37,7 +37,7 @@ class PeerProcess:
                  transports: str = "shm,tcp", checksum: bool = False, tcp_connections: int = 2,
                  slice_bytes: int = 4 << 20, prefix: Sequence[str] = (), log_level: str = "WARNING",
                  device: int = -1, runtime: str = "auto", sunrise_lib_dir: str = "") -> None:
-        argv = [*prefix, sys.executable, "-m", "daybreak.agent.transfer.peerproc",
+        argv = [*prefix, sys.executable, "-m", "daybreak.testing.transfer_peer",
                 "--segment-bytes", str(segment_bytes), "--listen", listen, "--transports", transports,
                 "--tcp-connections", str(tcp_connections), "--slice-bytes", str(slice_bytes),
                 "--log-level", log_level]
