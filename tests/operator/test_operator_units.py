@@ -22,7 +22,7 @@ from daybreak.operator.leader import LeaseTiming
 from daybreak.operator.settings import OperatorSettings
 from daybreak.operator.workqueue import WorkQueue
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.test/daybreak:1"
 
 

@@ -13,7 +13,7 @@ from daybreak.agent.membership import follow_pool_endpoints, pool_endpoints
 from daybreak.agent.publish import load_client
 from daybreak.devenv.cluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_pool_endpoints_are_sorted_unique_and_skip_pods_without_address() -> None:

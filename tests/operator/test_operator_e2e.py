@@ -29,7 +29,7 @@ from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NS = "op-e2e"
 CPU_NODE = "daybreak-cpu-0"
 ACCEL_NODES = {"daybreak-node-0", "daybreak-node-1"}

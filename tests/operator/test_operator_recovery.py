@@ -15,7 +15,7 @@ import yaml
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
 from daybreak.testing.operator_process import OperatorProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 

@@ -19,7 +19,7 @@ from daybreak.client import KVPoolClient
 from daybreak.pool.checksum import crc32c
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 BUSES = ["0000:12:00.0", "0000:13:00.0"]
 
 

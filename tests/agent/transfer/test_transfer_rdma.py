@@ -416,7 +416,7 @@ def test_planner_on_a_discovered_eight_gpu_node() -> None:
 
     from daybreak.agent.topology import discover
 
-    view = TopologyView.from_topology(discover(Path(__file__).parent / "fixtures" / "sysfs" / "dgx8"))
+    view = TopologyView.from_topology(discover(Path(__file__).resolve().parents[2] / "fixtures" / "sysfs" / "dgx8"))
     assert "mlx5_5" not in view.nics  # its port is DOWN
     placed = plan([SliceSpec(("g6", i), 6) for i in range(4)] + [SliceSpec(("g0", 0), 0)], view=view, live=view.nics)
     # GPU6 has two NICs under its switch and stripes over both; GPU0 uses its own

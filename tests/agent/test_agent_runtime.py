@@ -21,7 +21,7 @@ from daybreak.agent.runtime.host import HostRuntime
 from daybreak.agent.runtime.nvidia import NVLINK_DEVICE_TYPE_SWITCH, NvidiaRuntime, nvlink_peer_links
 from daybreak.agent.runtime.sunrise import SunriseRuntime
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 DAYBREAK = str(Path(sys.executable).parent / "daybreak")
 BOX4_BUSES = ["0000:12:00.0", "0000:13:00.0", "0000:03:00.0", "0000:04:00.0"]  # runtime order != PCI order
 # Chips 0-1 (12:00.0-13:00.0) and 2-3 (03:00.0-04:00.0) with two ports each, 0-2 and 1-3 with one,

@@ -12,7 +12,7 @@ from daybreak.agent.topology import build, discover
 from daybreak.agent.topology.model import gdr_capable, pcie_link, resolve_numa
 from daybreak.agent.topology.sysfs import PciFunction, parse_cpulist, resolve, snapshot
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 
 
 def fn(bdf: str, root: str, *chain: str, numa: int = 0) -> PciFunction:

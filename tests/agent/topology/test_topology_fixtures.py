@@ -19,7 +19,7 @@ import pytest
 
 from daybreak.agent.topology import discover
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 DAYBREAK = str(Path(sys.executable).parent / "daybreak")
 
 

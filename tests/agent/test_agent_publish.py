@@ -38,7 +38,7 @@ from daybreak.agent.topology.sysfs import snapshot
 from daybreak.api.node import KVNode
 from daybreak.devenv.cluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "sysfs"
 BOX4_BUSES = ["0000:03:00.0", "0000:04:00.0", "0000:12:00.0", "0000:13:00.0"]
 BOX4_LINKS = [[0, 0, 1, 0], [0, 1, 1, 1], [2, 0, 3, 0], [2, 1, 3, 1]]

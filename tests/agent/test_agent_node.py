@@ -16,7 +16,7 @@ from daybreak.agent.node import NodeAgent, run_node_agent
 from daybreak.agent.registration import Segment
 from daybreak.agent.settings import AgentSettings
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
 BUSES = ["0000:03:00.0", "0000:04:00.0", "0000:12:00.0", "0000:13:00.0"]
 
 

@@ -21,7 +21,7 @@ from support import run_without_gpu_machine_deps
 from daybreak.agent.runtime import RuntimeCallError, RuntimeUnavailable, Unsupported
 from daybreak.agent.runtime.nvidia import NvidiaRuntime
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 FAKE_CUDA = r"""
 #define _GNU_SOURCE
@@ -210,7 +210,7 @@ def test_ipc_handle_opens_in_another_process_both_ways(libcuda: str) -> None:
     """The link transport's cross-process path: the exporter's device bytes seen and written by an importer."""
     child = textwrap.dedent(f"""
         import hashlib, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).resolve().parents[1])!r}]  # + tests/
         from test_agent_nvidia import fake_nvml
         from daybreak.agent.runtime.nvidia import NvidiaRuntime
         rt = NvidiaRuntime.load(nvml_module=fake_nvml(), cuda_library={libcuda!r})

@@ -16,7 +16,7 @@ from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.testing.operator_process import OperatorProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "daybreak"
 RELEASE_NS = "daybreak-chart"
 WATCHED_NS = "chart-test"

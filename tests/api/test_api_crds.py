@@ -16,7 +16,7 @@ from daybreak.api.registry import CRD_KINDS
 from daybreak.api.schema import SchemaError, check_structural, crd_document, structural_schema, walk
 from daybreak.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_checked_in_crds_match_the_models() -> None:

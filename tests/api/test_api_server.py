@@ -22,7 +22,7 @@ from daybreak.api import KVPool, PDDeployment, parse_bytes
 from daybreak.api.registry import CRD_KINDS
 from daybreak.devenv.cluster import LocalCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NS = "api-test"
 DELETE = object()  # marks a key to remove in a variant
 
