@@ -27,7 +27,7 @@ from typing import Any
 
 from daybreak.agent.settings import AgentSettings
 
-log = logging.getLogger("daybreak.agent")
+log = logging.getLogger(__name__)
 
 _SIZES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
@@ -179,17 +179,9 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     store = server.store
 
     def segments() -> list[Any]:
-        return [host_segment(seg.name, seg.buffer) for seg in store.dram.segments]
+        return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
-    def usage() -> dict[str, int]:
-        used = {"dram": store.dram.used}
-        if store.ssd is not None:
-            used["ssd"] = store.ssd.used
-        if store.hbm is not None:
-            used["hbm"] = store.hbm.used
-        return used
-
-    return {"store_segments": segments, "tier_usage": usage}
+    return {"store_segments": segments, "tier_usage": store.usage}
 
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:

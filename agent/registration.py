@@ -1,9 +1,7 @@
 """Register the store's memory with every usable RDMA NIC through pyverbs, keeping lkey/rkey/IOVA per NIC.
 
-pyverbs is optional and comes from the distribution (Debian ``python3-pyverbs``);
-``Verbs`` is the shim over the two enum layouts (rdma-core v59+
-``pyverbs.libibverbs_enums`` with enum classes, older ``pyverbs.enums`` with
-module constants). Host segments get a plain ``MR``; device segments a
+pyverbs is optional and comes from the distribution (Debian ``python3-pyverbs``),
+loaded through the one shim, ``daybreak.agent.verbs``. Host segments get a plain ``MR``; device segments a
 ``DmaBufMR`` over the runtime's dma-buf fd (IOVA = offset, not the virtual
 address) or, failing that, a peer-memory ``MR`` on the device address.
 Without pyverbs, without RDMA devices, or when nothing registers, the
@@ -18,23 +16,18 @@ import ctypes
 import importlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Literal, Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime, DeviceBuffer, Unsupported
+from daybreak.agent.verbs import Importer, RdmaUnavailable, Verbs
 
 log = logging.getLogger(__name__)
 
-Importer = Callable[[str], ModuleType]
 Method = Literal["host", "dmabuf", "peermem"]
-# ABI values of ibv_access_flags (verbs.h); used only if neither enum module names them.
-_ACCESS_FALLBACK = {"IBV_ACCESS_LOCAL_WRITE": 1, "IBV_ACCESS_REMOTE_WRITE": 2, "IBV_ACCESS_REMOTE_READ": 4}
 
-
-class RdmaUnavailable(Exception):
-    """RDMA cannot be used on this node; the message is the reason published with the node."""
+__all__ = ["MemoryRegistrar", "RdmaUnavailable", "Registrar", "Registration", "Segment", "Verbs", "host_segment"]
 
 
 @dataclass(frozen=True)
@@ -113,73 +106,6 @@ class MemoryRegistrar(Protocol):
     def deregister(self, name: str) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _lookup(module: ModuleType, enum_class: str, name: str) -> int:
-    if hasattr(module, name):
-        return int(getattr(module, name))
-    cls = getattr(module, enum_class, None)
-    if cls is not None and hasattr(cls, name):
-        return int(getattr(cls, name))
-    raise AttributeError(name)
-
-
-class Verbs:
-    """The pyverbs surface we use, whichever rdma-core generation provides it."""
-
-    def __init__(self, *, device: ModuleType, pd: ModuleType, mr: ModuleType, enums: ModuleType,
-                 enum_module: str) -> None:
-        self._device, self._pd, self._mr, self.enums = device, pd, mr, enums
-        self.enum_module = enum_module
-        access = 0
-        for name, value in _ACCESS_FALLBACK.items():
-            try:
-                access |= _lookup(enums, "ibv_access_flags", name)
-            except AttributeError:
-                access |= value
-        self.access = access
-
-    @classmethod
-    def load(cls, importer: Importer = importlib.import_module) -> Verbs:
-        """Import pyverbs (device, pd, mr) and whichever enum module exists; RdmaUnavailable otherwise."""
-        try:
-            device, pd, mr = (importer(f"pyverbs.{m}") for m in ("device", "pd", "mr"))
-        except ImportError as exc:
-            raise RdmaUnavailable(f"pyverbs not importable ({exc}); install python3-pyverbs") from None
-        for name in ("pyverbs.libibverbs_enums", "pyverbs.enums"):
-            try:
-                return cls(device=device, pd=pd, mr=mr, enums=importer(name), enum_module=name)
-            except ImportError:
-                continue
-        raise RdmaUnavailable("pyverbs has neither libibverbs_enums nor enums")
-
-    def device_names(self) -> list[str]:
-        try:
-            devices = self._device.get_device_list()
-        except Exception as exc:  # PyverbsRDMAError('Failed to get devices list') where there are none
-            raise RdmaUnavailable(f"pyverbs get_device_list failed: {exc}") from None
-        return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
-
-    def open(self, name: str) -> tuple[Any, Any]:
-        ctx = self._device.Context(name=name)
-        try:
-            return ctx, self._pd.PD(ctx)
-        except Exception:
-            ctx.close()
-            raise
-
-    def reg_host(self, pd: Any, address: int, length: int) -> Any:
-        return self._mr.MR(pd, length, self.access, address=address)
-
-    def reg_dmabuf(self, pd: Any, fd: int, length: int, *, offset: int = 0) -> Any:
-        cls = getattr(self._mr, "DmaBufMR", None)
-        if cls is None:
-            raise Unsupported("pyverbs has no DmaBufMR (rdma-core older than v34)")
-        try:
-            return cls(pd, length, self.access, dmabuf=fd, offset=offset)
-        except TypeError as exc:
-            # rdma-core's DmaBufMR takes only its own DRM-allocated DmaBuf object, not a foreign fd.
-            raise Unsupported(f"pyverbs DmaBufMR does not accept a dma-buf fd ({exc})") from None
 
 
 @dataclass

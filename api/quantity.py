@@ -16,6 +16,8 @@ import math
 import re
 from fractions import Fraction
 
+from daybreak.errors import DaybreakError
+
 # Plain (capturing) groups: these patterns end up in API server error messages, keep them readable.
 _NUMBER = r"([0-9]+(\.[0-9]*)?|\.[0-9]+)"
 _NUMBER_NC = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"  # the same, non-capturing, for the parser's named groups
@@ -48,7 +50,7 @@ _DECIMAL = {
 _MAX_EXPONENT = 64
 
 
-class QuantityError(ValueError):
+class QuantityError(DaybreakError, ValueError):
     """A value that is not a valid Kubernetes quantity (or byte size)."""
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from daybreak.api.base import CustomResource
+from daybreak.errors import DaybreakError
 
 _TYPE_META_DOC = {
     "apiVersion": "APIVersion defines the versioned schema of this representation of an object.",
@@ -38,7 +39,7 @@ _KEY_ORDER = [
 _DROP = {"title"}
 
 
-class SchemaError(ValueError):
+class SchemaError(DaybreakError, ValueError):
     """A model that cannot be expressed as a structural CRD schema."""
 
 

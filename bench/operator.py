@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 PHASES = ("bench-burst", "bench-paced")
 ROOT = Path(__file__).resolve().parent.parent

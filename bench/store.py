@@ -275,7 +275,7 @@ def _pair(host: Host, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def bench_ours(server: Host, client: Host, *, transport: str, sizes: dict[str, int], mib: int,
                work: Path) -> dict[str, Any]:
-    from daybreak.agent.store.local import LocalAgent, cleanup_pool
+    from daybreak.testing.store_agent import LocalAgent, cleanup_pool
 
     pool = f"bench{uuid.uuid4().hex[:6]}"
     token = work / f"{pool}.token"
@@ -365,8 +365,8 @@ def bench_redis(server: Host, client: Host, *, sizes: dict[str, int], mib: int, 
 
 def bench_rss(*, gib: int, work: Path) -> dict[str, Any]:
     """Fill a ``gib`` GiB DRAM tier through shared memory, read it all back, report the agent's peak RSS."""
-    from daybreak.agent.store.connection import Connection
-    from daybreak.agent.store.local import LocalAgent, cleanup_pool
+    from daybreak.pool.connection import Connection
+    from daybreak.testing.store_agent import LocalAgent, cleanup_pool
 
     pool = f"rss{uuid.uuid4().hex[:6]}"
     token = work / f"{pool}.token"
@@ -415,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         cases: list[tuple[str, Host, Host, Any]] = [("one host", Host(), Host(), contextlib.nullcontext())]
         if not args.skip_netns:
-            from daybreak.agent.store.local import NetnsPair
+            from daybreak.testing.store_agent import NetnsPair
 
             reason = NetnsPair.unavailable()
             if reason:

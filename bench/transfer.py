@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any
 
 from daybreak.agent.transfer import ShmSegment, TransferEngine, TransferRequest
-from daybreak.agent.transfer.peerproc import PeerProcess, pattern
+from daybreak.testing.transfer_peer import PeerProcess, pattern
 
 TARGETS = {"python-stream": 0.8, "memcpy": 0.7, "mooncake-tcp": 2.0}
 

@@ -18,14 +18,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from daybreak.agent.store import protocol as p
-from daybreak.agent.store.checksum import crc32c
-from daybreak.agent.store.connection import Connection, RemoteError
-from daybreak.agent.store.placement import rank
-from daybreak.agent.store.tiers import populate
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.errors import DaybreakError
+from daybreak.pool import protocol as p
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.placement import rank
+from daybreak.pool.shm import ShmSegment, populate
 
-log = logging.getLogger("daybreak.client")
+log = logging.getLogger(__name__)
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DOWN_SECONDS = 2.0
@@ -33,7 +33,7 @@ _MAX_BATCH_KEYS = 1024
 _MAX_BATCH_BYTES = 1 << 30
 
 
-class KVPoolError(Exception):
+class KVPoolError(DaybreakError):
     """The pool could not be reached or refused the client (for example a wrong token)."""
 
 

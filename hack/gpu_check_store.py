@@ -41,17 +41,7 @@ def _import_tree() -> None:
     import linktree
 
     tree = linktree.build(Path(tempfile.mkdtemp(prefix="daybreak-src-")))
-    pkg = tree / "daybreak"
     sys.path.insert(0, str(tree))
-    # The store's tiers need only ShmSegment from the transfer package, whose __init__ pulls in
-    # pydantic (descriptors): register the package without running it.
-    import types
-
-    import daybreak.agent  # noqa: F401 - the parent package must be imported first
-
-    transfer = types.ModuleType("daybreak.agent.transfer")
-    transfer.__path__ = [str(pkg / "agent" / "transfer")]
-    sys.modules["daybreak.agent.transfer"] = transfer
     wheels = sorted((ROOT / ".whl").glob("*.whl")) if (ROOT / ".whl").is_dir() else []
     for module, prefix in (("pynvml", "nvidia_ml_py"), ("crc32c", "crc32c")):
         try:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from daybreak.errors import DaybreakError
 from daybreak.operator import metrics
 from daybreak.operator.events import EventRecorder
 from daybreak.operator.kube import FIELD_MANAGER, KubeClient, KubeError, Manifest, kind_of
@@ -40,7 +41,7 @@ APPLIED_HASH = "daybreak.dev/applied-hash"
 WATCHED_KINDS = frozenset({"Deployment", "DaemonSet"})
 
 
-class NotLeader(RuntimeError):
+class NotLeader(DaybreakError, RuntimeError):
     """This process lost the Lease: it must not write."""
 
 

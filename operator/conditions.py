@@ -1,28 +1,26 @@
-"""Status conditions in the Kubernetes convention (metav1.Condition), merged without churning timestamps."""
+"""Status conditions in the Kubernetes convention (metav1.Condition), merged without churning timestamps.
+
+There is one ``Condition`` class, the API's (``daybreak.api.kube``); the
+operator builds desired conditions with it and merges them into the raw status
+dicts it writes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-TRUE = "True"
-FALSE = "False"
-UNKNOWN = "Unknown"
+from daybreak.api.kube import Condition, ConditionStatus
+
+__all__ = ["FALSE", "TRUE", "UNKNOWN", "Condition", "ConditionStatus", "find", "merge", "now_rfc3339"]
+
+TRUE = ConditionStatus.TRUE
+FALSE = ConditionStatus.FALSE
+UNKNOWN = ConditionStatus.UNKNOWN
 
 
 def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class Condition:
-    """One desired condition; ``reason`` is CamelCase and tells a human what to do next with ``message``."""
-
-    type: str
-    status: str
-    reason: str
-    message: str = ""
 
 
 def merge(existing: list[dict[str, Any]] | None, desired: list[Condition], *, generation: int | None,
@@ -37,8 +35,8 @@ def merge(existing: list[dict[str, Any]] | None, desired: list[Condition], *, ge
     for cond in desired:
         old = by_type.pop(cond.type, None)
         transition = old.get("lastTransitionTime") if old and old.get("status") == cond.status else None
-        entry: dict[str, Any] = {"type": cond.type, "status": cond.status, "reason": cond.reason,
-                                 "message": cond.message, "lastTransitionTime": transition or now}
+        entry: dict[str, Any] = {"type": cond.type, "status": str(cond.status), "reason": cond.reason or "",
+                                 "message": cond.message or "", "lastTransitionTime": transition or now}
         if generation is not None:
             entry["observedGeneration"] = generation
         result.append(entry)

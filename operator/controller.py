@@ -32,7 +32,7 @@ from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator import pool as pool_mod
 from daybreak.operator.children import MANAGED_BY, MANAGER, Applier, NotLeader
-from daybreak.operator.conditions import Condition, merge
+from daybreak.operator.conditions import FALSE, TRUE, Condition, merge
 from daybreak.operator.events import WARNING, EventRecorder
 from daybreak.operator.kube import (
     CLUSTERROLEBINDING,
@@ -291,8 +291,8 @@ class Controller:
             body = await self.client.get(rk, name, namespace=ns)
             status = dict(body.get("status") or {})
             status["conditions"] = merge(status.get("conditions"), [
-                Condition("Ready", "False", "ReconcileFailed", message[:1000]),
-                Condition("Degraded", "True", "ReconcileFailed", message[:1000]),
+                Condition(type="Ready", status=FALSE, reason="ReconcileFailed", message=message[:1000]),
+                Condition(type="Degraded", status=TRUE, reason="ReconcileFailed", message=message[:1000]),
             ], generation=(body.get("metadata") or {}).get("generation"))
             await self._write_status(key, rk, body, status)
             self.events.record(body, reason="ReconcileFailed", message=message, type=WARNING)
@@ -337,10 +337,9 @@ class Controller:
             else:
                 secret = pool_mod.token_secret_name(pool)
                 if await self.client.get_or_none(SECRET, secret, namespace=ns) is None:
-                    problems.append(Condition(
-                        "Ready", "False", "SecretNotFound",
-                        f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
-                        f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
+                    problems.append(Condition(type="Ready", status=FALSE, reason="SecretNotFound",
+                        message=f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
+                                f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
             for result in await self.applier.apply_all(body, [(m, labels) for m in desired.applied]):
                 if result.obj.get("kind") == "DaemonSet":
                     self.children[("DaemonSet", ns, result.obj["metadata"]["name"])] = _slim(result.obj)
@@ -498,7 +497,7 @@ class Controller:
             message = str(exc)
         status = dict(body.get("status") or {})
         status["conditions"] = merge(status.get("conditions"), [
-            Condition("Ready", "False", "InvalidSpec", message),
+            Condition(type="Ready", status=FALSE, reason="InvalidSpec", message=message),
         ], generation=(body.get("metadata") or {}).get("generation"))
         logger.warning("invalid object kind=%s namespace=%s name=%s error=%r", key[0], key[1], key[2], message)
         await self._write_status(key, rk, body, status)

@@ -274,41 +274,41 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
     conds: list[cond.Condition] = []
     pool_name = spec.pool_ref.name
     if pool is None:
-        conds.append(cond.Condition("Ready", cond.FALSE, "PoolNotFound",
-                                    f"KVPool {pool_name!r} does not exist in namespace {pdd.metadata.namespace!r}; "
-                                    "create it or fix spec.poolRef.name (this recovers by itself)"))
-        conds.append(cond.Condition("Progressing", cond.FALSE, "WaitingForPool",
-                                    f"waiting for KVPool {pool_name!r}"))
-        conds.append(cond.Condition("Degraded", cond.TRUE, "PoolNotFound", f"KVPool {pool_name!r} is missing"))
+        conds.append(cond.Condition(type="Ready", status=cond.FALSE, reason="PoolNotFound",
+                                    message=f"KVPool {pool_name!r} does not exist in namespace {pdd.metadata.namespace!r}; "
+                                            "create it or fix spec.poolRef.name (this recovers by itself)"))
+        conds.append(cond.Condition(type="Progressing", status=cond.FALSE, reason="WaitingForPool",
+                                    message=f"waiting for KVPool {pool_name!r}"))
+        conds.append(cond.Condition(type="Degraded", status=cond.TRUE, reason="PoolNotFound", message=f"KVPool {pool_name!r} is missing"))
     else:
         short = [f"{r.value} {roles[r]['readyReplicas']}/{desired[r]}" for r in active
                  if roles[r]["readyReplicas"] < desired[r]]
         if short:
-            conds.append(cond.Condition("Ready", cond.FALSE, "ReplicasNotReady",
-                                        "ready: " + ", ".join(short)))
+            conds.append(cond.Condition(type="Ready", status=cond.FALSE, reason="ReplicasNotReady",
+                                        message="ready: " + ", ".join(short)))
         else:
-            conds.append(cond.Condition("Ready", cond.TRUE, "AllReplicasReady",
-                                        ", ".join(f"{r.value} {desired[r]}" for r in active) + " ready"))
+            conds.append(cond.Condition(type="Ready", status=cond.TRUE, reason="AllReplicasReady",
+                                        message=", ".join(f"{r.value} {desired[r]}" for r in active) + " ready"))
         rolling = [r.value for r in active if _rolling(workloads.get(r), desired[r])]
         if rolling:
-            conds.append(cond.Condition("Progressing", cond.TRUE, "RollingOut",
-                                        f"revision {revision} rolling out: {', '.join(rolling)}"))
+            conds.append(cond.Condition(type="Progressing", status=cond.TRUE, reason="RollingOut",
+                                        message=f"revision {revision} rolling out: {', '.join(rolling)}"))
         else:
-            conds.append(cond.Condition("Progressing", cond.FALSE, "RolloutComplete",
-                                        f"revision {revision} is rolled out"))
+            conds.append(cond.Condition(type="Progressing", status=cond.FALSE, reason="RolloutComplete",
+                                        message=f"revision {revision} is rolled out"))
         failures = [f"{r.value}: {f}" for r in active if (f := _failure(workloads.get(r)))]
         pool_degraded = cond.find(pool.status.to_dict().get("conditions") if pool.status else None, "Degraded")
         pool_ready = cond.find(pool.status.to_dict().get("conditions") if pool.status else None, "Ready")
         if failures:
-            conds.append(cond.Condition("Degraded", cond.TRUE, "WorkloadFailing", "; ".join(failures)))
+            conds.append(cond.Condition(type="Degraded", status=cond.TRUE, reason="WorkloadFailing", message="; ".join(failures)))
         elif pool_degraded and pool_degraded.get("status") == cond.TRUE:
-            conds.append(cond.Condition("Degraded", cond.TRUE, "PoolDegraded",
-                                        f"KVPool {pool_name!r}: {pool_degraded.get('message') or ''}".strip()))
+            conds.append(cond.Condition(type="Degraded", status=cond.TRUE, reason="PoolDegraded",
+                                        message=f"KVPool {pool_name!r}: {pool_degraded.get('message') or ''}".strip()))
         elif pool_ready and pool_ready.get("status") == cond.FALSE and pool_ready.get("reason") != "AgentsPending":
-            conds.append(cond.Condition("Degraded", cond.TRUE, "PoolNotReady",
-                                        f"KVPool {pool_name!r}: {pool_ready.get('message') or ''}".strip()))
+            conds.append(cond.Condition(type="Degraded", status=cond.TRUE, reason="PoolNotReady",
+                                        message=f"KVPool {pool_name!r}: {pool_ready.get('message') or ''}".strip()))
         else:
-            conds.append(cond.Condition("Degraded", cond.FALSE, "AsExpected", ""))
+            conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     result = {
         **{k: v for k, v in old.items() if k not in ("conditions", "observedGeneration", "prefill", "decode",
                                                      "router", "kvNamespace", "revision")},

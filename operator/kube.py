@@ -22,6 +22,8 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from daybreak.errors import DaybreakError
+
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER = "daybreak-operator"
@@ -96,7 +98,7 @@ def kind_of(manifest: Mapping[str, Any]) -> ResourceKind:
         raise KeyError(f"kind {manifest.get('kind')!r} is not known to the operator's client") from None
 
 
-class KubeError(Exception):
+class KubeError(DaybreakError):
     """An API call failed: ``status`` is the HTTP status, or 0 when the apiserver could not be reached."""
 
     def __init__(self, *, status: int, reason: str, message: str, method: str = "", path: str = "") -> None:

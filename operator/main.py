@@ -26,7 +26,7 @@ from daybreak.operator.kube import Credentials, KubeClient, load_configuration
 from daybreak.operator.leader import LeaseElector, LeaseTiming, make_identity
 from daybreak.operator.settings import OperatorSettings
 
-logger = logging.getLogger("daybreak.operator")
+logger = logging.getLogger(__name__)
 
 KOPF_STOP_TIMEOUT = 5.0  # seconds kopf gets to wind down its watches before being cancelled
 

@@ -351,24 +351,24 @@ def status(pool: KVPool, *, daemonset: Manifest | None, pods: list[Manifest], re
 
     conds: list[cond.Condition] = []
     if daemonset is None:
-        conds.append(cond.Condition("Ready", cond.FALSE, "AgentsPending", "the agent DaemonSet does not exist yet"))
-        conds.append(cond.Condition("Degraded", cond.FALSE, "AsExpected", ""))
+        conds.append(cond.Condition(type="Ready", status=cond.FALSE, reason="AgentsPending", message="the agent DaemonSet does not exist yet"))
+        conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     elif desired == 0:
         sel = ",".join(f"{k}={v}" for k, v in sorted(pool.spec.node_selector.items())) or "(none)"
-        conds.append(cond.Condition("Ready", cond.FALSE, "NoNodesSelected",
-                                    f"no schedulable node matches nodeSelector {sel}; label nodes or fix the "
-                                    "selector and tolerations"))
-        conds.append(cond.Condition("Degraded", cond.FALSE, "AsExpected", ""))
+        conds.append(cond.Condition(type="Ready", status=cond.FALSE, reason="NoNodesSelected",
+                                    message=f"no schedulable node matches nodeSelector {sel}; label nodes or fix the "
+                                            "selector and tolerations"))
+        conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     elif ready >= desired:
-        conds.append(cond.Condition("Ready", cond.TRUE, "AgentsReady", f"{ready}/{desired} agents ready"))
-        conds.append(cond.Condition("Degraded", cond.FALSE, "AsExpected", ""))
+        conds.append(cond.Condition(type="Ready", status=cond.TRUE, reason="AgentsReady", message=f"{ready}/{desired} agents ready"))
+        conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     else:
-        conds.append(cond.Condition("Ready", cond.FALSE, "AgentsNotReady",
-                                    f"{ready}/{desired} agents ready; see the agent pods' events and logs"))
+        conds.append(cond.Condition(type="Ready", status=cond.FALSE, reason="AgentsNotReady",
+                                    message=f"{ready}/{desired} agents ready; see the agent pods' events and logs"))
         degraded = cond.TRUE if ready > 0 else cond.FALSE
         reason = "AgentsUnavailable" if ready > 0 else "AgentsStarting"
-        conds.append(cond.Condition("Degraded", degraded, reason,
-                                    f"{desired - ready} of {desired} agents not ready" if ready > 0 else ""))
+        conds.append(cond.Condition(type="Degraded", status=degraded, reason=reason,
+                                    message=f"{desired - ready} of {desired} agents not ready" if ready > 0 else ""))
     old = existing or {}
     return {
         **{k: v for k, v in old.items() if k not in ("conditions", "nodes", "capacity", "used", "endpoints",

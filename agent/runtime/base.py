@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from daybreak.errors import DaybreakError
+
 Vendor = str  # "sunrise" | "nvidia" | "host"
 
 
-class RuntimeUnavailable(Exception):
+class RuntimeUnavailable(DaybreakError):
     """A runtime could not be loaded on this node; ``reason`` is one line a human can act on."""
 
     def __init__(self, runtime: str, reason: str) -> None:
@@ -26,7 +28,7 @@ class RuntimeUnavailable(Exception):
         self.reason = reason
 
 
-class RuntimeCallError(RuntimeError):
+class RuntimeCallError(DaybreakError, RuntimeError):
     """A runtime call returned an error code."""
 
     def __init__(self, *, function: str, code: int, message: str) -> None:
@@ -36,7 +38,7 @@ class RuntimeCallError(RuntimeError):
         self.message = message
 
 
-class Unsupported(Exception):
+class Unsupported(DaybreakError):
     """The operation does not exist on this runtime or device (for example dma-buf export)."""
 
 

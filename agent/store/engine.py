@@ -19,10 +19,20 @@ from pathlib import Path
 
 from daybreak.agent.store import metrics as m
 from daybreak.agent.store.eviction import Policy, make_policy
-from daybreak.agent.store.protocol import Status
-from daybreak.agent.store.tiers import JOURNAL_DEL, JOURNAL_PUT, Adopted, DramTier, HbmTier, SsdTier
+from daybreak.agent.store.tiers import (
+    JOURNAL_DEL,
+    JOURNAL_PUT,
+    Adopted,
+    DramTier,
+    HbmTier,
+    MemoryTier,
+    SsdTier,
+    Tier,
+)
+from daybreak.pool.protocol import Status
+from daybreak.pool.shm import ShmSegment
 
-log = logging.getLogger("daybreak.store.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,6 +96,12 @@ class BlockStore:
         self.ssd = (SsdTier(directory=Path(config.ssd_path), capacity=config.ssd_bytes)
                     if config.ssd_path and config.ssd_bytes else None)
         self.hbm = config.hbm
+        # Every tier through its interface, by name (the only place tiers are looked up).
+        self.tiers: dict[str, Tier] = {"dram": self.dram}
+        if self.ssd is not None:
+            self.tiers["ssd"] = self.ssd
+        if self.hbm is not None:
+            self.tiers["hbm"] = self.hbm
         self.blocks: dict[str, Block] = {}
         self.policies: dict[str, Policy] = {"dram": make_policy(config.policy), "ssd": make_policy("lru"),
                                             "hbm": make_policy(config.policy)}
@@ -115,6 +131,70 @@ class BlockStore:
             self.dram.close(unlink=unlink)
             if self.hbm is not None:
                 self.hbm.close()
+
+    @property
+    def shm_prefix(self) -> str:
+        """The prefix of this store's /dev/shm names (its segments, its journal, the server's probe)."""
+        return self.dram.prefix
+
+    def shm_segments(self) -> list[ShmSegment]:
+        """The shared-memory segments of the DRAM tier (the node side registers them with the NICs)."""
+        return list(self.dram.segments)
+
+    def prefault(self) -> None:
+        """Back the DRAM tier with memory now; run in a background thread (about a second per GiB)."""
+        self.dram.prefault()
+
+    def usage(self) -> dict[str, int]:
+        """Bytes used per enabled tier."""
+        return {name: tier.used for name, tier in self.tiers.items()}
+
+    def _memory(self, tier: str) -> MemoryTier:
+        if tier == "hbm" and self.hbm is not None:
+            return self.hbm
+        if tier == "dram":
+            return self.dram
+        raise ValueError(f"tier {tier!r} holds no extents (ssd blocks are promoted or staged first)")
+
+    def read_view(self, block: Block) -> memoryview:
+        """An acquired block's bytes to send: in place in host memory, else a copy (device memory)."""
+        if block.staged is not None:
+            return block.staged
+        tier = self._memory(block.tier)
+        view = tier.extent_view(block.segment, block.offset, block.size)
+        if view is not None:
+            return view
+        out = memoryview(bytearray(block.size))
+        tier.read_extent(block.segment, block.offset, out)
+        return out
+
+    def write_buffer(self, res: Reservation) -> memoryview:
+        """Where a writer lands a reservation's bytes: the tier's memory in place, or a staging buffer.
+
+        Pair with ``finish_write`` (which copies a staging buffer into the tier) before ``commit``.
+        """
+        view = self._memory(res.tier).extent_view(res.segment, res.offset, res.size)
+        return view if view is not None else memoryview(bytearray(res.size))
+
+    def finish_write(self, res: Reservation, data: memoryview) -> None:
+        """Complete a write into ``write_buffer(res)``: copy staged bytes into a tier not addressable in place."""
+        tier = self._memory(res.tier)
+        if tier.extent_view(res.segment, res.offset, res.size) is None:
+            tier.write_extent(res.segment, res.offset, data)
+
+    def location(self, item: Block | Reservation) -> tuple[str, int]:
+        """Where a same-node process maps the bytes: (/dev/shm name, offset), or ('', 0) where it cannot."""
+        if item.tier not in ("dram", "hbm") or (isinstance(item, Block) and item.staged is not None):
+            return "", 0
+        name = self._memory(item.tier).shared_name(item.segment)
+        return (name, item.offset) if name else ("", 0)
+
+    def writes_in_flight(self, keys: Iterable[str] | None = None) -> bool:
+        """Whether any block (or any of ``keys``) is being written right now."""
+        with self.lock:
+            if keys is None:
+                return bool(self.writing)
+            return any(k in self.writing for k in keys)
 
     def _index(self, block: Block) -> None:
         self.blocks[block.key] = block
@@ -293,7 +373,7 @@ class BlockStore:
 
     def drop_corrupt(self, key: str) -> bool:
         """A reader saw a checksum mismatch: re-verify here and drop the block if it is really bad."""
-        from daybreak.agent.store.checksum import crc32c
+        from daybreak.pool.checksum import crc32c
 
         with self.lock:
             block = self.blocks.get(key)
@@ -370,11 +450,8 @@ class BlockStore:
             capacity, used = self._usage(tier)
 
     def _usage(self, tier: str) -> tuple[int, int]:
-        if tier == "dram":
-            return self.dram.capacity, self.dram.used
-        if tier == "ssd":
-            return (self.ssd.capacity, self.ssd.used) if self.ssd else (0, 0)
-        return (self.hbm.capacity, self.hbm.used) if self.hbm else (0, 0)
+        found = self.tiers.get(tier)
+        return (found.capacity, found.used) if found is not None else (0, 0)
 
     def _evict(self, block: Block) -> None:
         """Move a block one tier down (hbm -> dram -> ssd) or drop it."""
@@ -459,14 +536,9 @@ class BlockStore:
                                    for b in self.blocks.values() if b.tier == "dram"])
 
     def _report(self) -> None:
-        self.metrics.capacity.labels(tier="dram").set(self.dram.capacity)
-        self.metrics.used.labels(tier="dram").set(self.dram.used)
-        if self.ssd is not None:
-            self.metrics.capacity.labels(tier="ssd").set(self.ssd.capacity)
-            self.metrics.used.labels(tier="ssd").set(self.ssd.used)
-        if self.hbm is not None:
-            self.metrics.capacity.labels(tier="hbm").set(self.hbm.capacity)
-            self.metrics.used.labels(tier="hbm").set(self.hbm.used)
+        for name, tier in self.tiers.items():
+            self.metrics.capacity.labels(tier=name).set(tier.capacity)
+            self.metrics.used.labels(tier=name).set(tier.used)
 
     def stats(self) -> dict[str, int]:
         with self.lock:

@@ -23,14 +23,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
-from daybreak.agent.store.checksum import crc32c
-from daybreak.agent.transfer.segment import SHM_DIR, ShmSegment
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.shm import SHM_DIR, ShmSegment, populate
 
-log = logging.getLogger("daybreak.store.tiers")
+log = logging.getLogger(__name__)
 
 SEGMENT_MAX_BYTES = 1 << 30
 _JOURNAL_MAGIC = b"DBJ1"
@@ -38,18 +38,40 @@ _REC = struct.Struct("<IBHIQQI")  # record_len, kind, key_len, segment, offset, 
 _PUT, _DEL = 1, 2
 
 
-MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
-MADV_POPULATE_WRITE = 23
+class Tier(Protocol):
+    """What the block store asks of every tier: its name and how full it is.
+
+    ``BlockStore`` is the only user of the tiers; the store server and the node side
+    reach block bytes through ``BlockStore`` (``read_view``, ``write_buffer``,
+    ``location``), never through a tier.
+    """
+
+    name: str
+    capacity: int
+
+    @property
+    def used(self) -> int: ...
 
 
-def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
-    """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
-    mapping: Any = segment.buffer.obj  # the segment's mmap object
-    try:
-        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
-    except (OSError, ValueError, AttributeError):
-        return False
-    return True
+class MemoryTier(Tier, Protocol):
+    """A tier whose blocks are extents ``(segment, offset, size)`` of memory: DRAM and HBM."""
+
+    def extent_view(self, segment: int, offset: int, size: int) -> memoryview | None:
+        """The extent's bytes in place when they are host memory, else None (copy with ``read_extent``)."""
+        ...
+
+    def read_extent(self, segment: int, offset: int, out: memoryview) -> None:
+        """Copy the extent at ``(segment, offset)`` into ``out`` (``len(out)`` bytes)."""
+        ...
+
+    def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
+        """Copy ``data`` into the extent at ``(segment, offset)``."""
+        ...
+
+    def shared_name(self, segment: int) -> str:
+        """The /dev/shm name another process on this node maps to reach ``segment``; '' when it cannot."""
+        ...
+
 
 
 def slug(text: str) -> str:
@@ -222,6 +244,20 @@ class DramTier:
     def view(self, segment: int, offset: int, size: int) -> memoryview:
         return self.segments[segment].buffer[offset:offset + size]
 
+    # -- MemoryTier ---------------------------------------------------------------------------
+
+    def extent_view(self, segment: int, offset: int, size: int) -> memoryview | None:
+        return self.view(segment, offset, size)
+
+    def read_extent(self, segment: int, offset: int, out: memoryview) -> None:
+        out[:] = self.view(segment, offset, len(out))
+
+    def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
+        self.view(segment, offset, len(data))[:] = data
+
+    def shared_name(self, segment: int) -> str:
+        return self.segment_name(segment)
+
     def journal(self, entries: list[tuple[int, str, int, int, int, int]]) -> None:
         """Append (kind, key, segment, offset, size, crc) records in one write; compacts when large."""
         if not entries:
@@ -349,6 +385,20 @@ class HbmTier:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         self.runtime.copy_to_host(out, self.buffer, offset=offset)
+
+    # -- MemoryTier (one device buffer: the segment is always 0) ---------------------------------
+
+    def extent_view(self, segment: int, offset: int, size: int) -> memoryview | None:
+        return None  # device memory: not addressable from the host
+
+    def read_extent(self, segment: int, offset: int, out: memoryview) -> None:
+        self.read_into(offset, out)
+
+    def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
+        self.write(offset, data)
+
+    def shared_name(self, segment: int) -> str:
+        return ""  # another process cannot map it (same-node clients GET it instead)
 
     def close(self) -> None:
         self.runtime.free(self.buffer)

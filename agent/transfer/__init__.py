@@ -51,8 +51,9 @@ from daybreak.agent.transfer.batch import (
 )
 from daybreak.agent.transfer.breaker import CircuitBreaker
 from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
-from daybreak.agent.transfer.engine import DeviceMemory, LocalSegment, RemoteSegment, TransferEngine
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.agent.transfer.engine import TransferEngine
+from daybreak.agent.transfer.transport import DeviceMemory, LocalSegment, RemoteSegment
+from daybreak.pool.shm import ShmSegment
 
 __all__ = [
     "BatchHandle",

@@ -10,8 +10,10 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from daybreak.errors import DaybreakError
+
 if TYPE_CHECKING:
-    from daybreak.agent.transfer.engine import RemoteSegment
+    from daybreak.agent.transfer.transport import RemoteSegment
 
 
 class Pump(Protocol):
@@ -36,7 +38,7 @@ class Status(enum.Enum):
     TIMEOUT = "timeout"
 
 
-class TransferError(Exception):
+class TransferError(DaybreakError):
     """A request (or a whole batch, from ``raise_for_status``) did not complete; the message says why."""
 
 

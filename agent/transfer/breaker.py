@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from daybreak.agent.transfer import metrics
 
-log = logging.getLogger("daybreak.transfer.breaker")
+log = logging.getLogger(__name__)
 
 PathKey = tuple[str, str]  # (transport, peer engine id)
 

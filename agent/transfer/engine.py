@@ -25,153 +25,31 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.transfer import metrics
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
-from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.agent.transfer.descriptor import SegmentDescriptor
+from daybreak.agent.transfer.registry import TRANSPORTS, TransportConfig, check_names, open_transports
+from daybreak.agent.transfer.transport import (
+    DeviceMemory,
+    Job,
+    LocalSegment,
+    RemoteSegment,
+    Transport,
+    address_of,
+    byte_view,
+)
+from daybreak.pool.shm import ShmSegment
 
-log = logging.getLogger("daybreak.transfer")
+log = logging.getLogger(__name__)
 
-TRANSPORTS = ("link", "rdma", "shm", "tcp")
+__all__ = ["DEFAULT_TIMEOUT_S", "TRANSPORTS", "DeviceMemory", "Job", "LocalSegment", "RemoteSegment",
+           "TransferEngine", "Transport", "default_node_name"]
+
 DEFAULT_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceMemory:
-    """A range of accelerator memory from the runtime: device index, device pointer, size in bytes."""
-
-    device: int
-    ptr: int
-    size: int
-
-
-class LocalSegment:
-    """A segment registered with this engine; ``descriptor`` is what peers need to reach it."""
-
-    def __init__(self, *, name: str, segment_id: str, size: int, handle: int, buffer: memoryview | None,
-                 shm: ShmSegment | None, device: DeviceMemory | None) -> None:
-        self.name = name
-        self.segment_id = segment_id
-        self.size = size
-        self.handle = handle  # number on this engine's tcp server
-        self.buffer = buffer  # host memory; None for device memory
-        self.shm = shm
-        self.device = device
-        self.address = _address_of(buffer) if buffer is not None else (device.ptr if device else 0)
-        self.nic_regions: tuple[NicRegion, ...] = ()
-        self.device_region: DeviceRegion | None = None
-        self.descriptor: SegmentDescriptor  # set by the engine once every transport has registered it
-        self.transport_state: dict[str, Any] = {}
-
-    @property
-    def kind(self) -> str:
-        return "device" if self.device is not None else "host"
-
-    def __repr__(self) -> str:
-        return f"LocalSegment({self.segment_id!r}, size={self.size}, kind={self.kind})"
-
-
-class RemoteSegment:
-    """A peer's segment opened from its descriptor; pass it as ``TransferRequest.remote``."""
-
-    def __init__(self, descriptor: SegmentDescriptor, *, same_node: bool) -> None:
-        self.descriptor = descriptor
-        self.segment_id = descriptor.segment_id
-        self.size = descriptor.size
-        self.same_node = same_node
-        self.transport_state: dict[str, Any] = {}
-        self.chain: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return f"RemoteSegment({self.segment_id!r}, size={self.size}, chain={'->'.join(self.chain)})"
-
-
-class Job:
-    """One request on its way: the resolved local view, its fallback chain and where in it it is."""
-
-    __slots__ = ("attempts", "batch", "bounce", "chain", "errors", "index", "length", "local_device",
-                 "local_offset", "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
-
-    def __init__(self, *, batch: BatchHandle, index: int, op: Op, remote: RemoteSegment, remote_offset: int,
-                 length: int, view: memoryview | None, local_segment: LocalSegment | None, local_offset: int,
-                 local_device: DeviceMemory | None, chain: tuple[str, ...]) -> None:
-        self.batch = batch
-        self.index = index
-        self.op = op
-        self.remote = remote
-        self.remote_offset = remote_offset
-        self.length = length
-        self.view = view  # host bytes of the local side, exactly ``length`` long
-        self.local_segment = local_segment
-        self.local_offset = local_offset
-        self.local_device = local_device
-        self.chain = chain
-        self.pos = 0
-        self.attempts = 0
-        self.errors: list[str] = []
-        self.state: Any = None  # scratch for the transport that holds the job
-        self.bounce: Any = None  # the device buffer behind a host bounce ``view`` (staging)
-
-    @property
-    def transport(self) -> str:
-        return self.chain[self.pos]
-
-    @property
-    def peer(self) -> str:
-        return self.remote.descriptor.engine_id
-
-    def pending(self) -> bool:
-        return self.batch.is_pending(self.index)
-
-
-class Transport:
-    """What the engine needs from a transport; each one reports jobs back through ``engine.job_*``."""
-
-    name = ""
-
-    def supports(self, job: Job) -> bool:
-        return True
-
-    def start(self, jobs: list[Job]) -> None:
-        raise NotImplementedError
-
-    def abort(self, batch: BatchHandle) -> None:
-        """Stop touching the buffers of ``batch`` (its deadline passed)."""
-
-    def register(self, segment: LocalSegment) -> None:
-        """Make ``segment`` reachable by peers (fill in its descriptor entries)."""
-
-    def unregister(self, segment: LocalSegment) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _address_of(buffer: memoryview) -> int:
-    import ctypes
-
-    if buffer.readonly:
-        return 0
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
-def _byte_view(obj: Any, *, field: str) -> memoryview:
-    try:
-        view = memoryview(obj)
-    except TypeError:
-        raise ValueError(f"{field}: expected a buffer (memoryview, bytearray, mmap) or a LocalSegment, "
-                         f"got {type(obj).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError(f"{field}: buffer must be C-contiguous")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
 
 
 class _DeadlineMonitor(threading.Thread):
@@ -247,9 +125,7 @@ class TransferEngine:
                  rdma_nics: Sequence[str] | None = None,
                  topology: Any = None) -> None:
         wanted = tuple(transports)
-        unknown = [t for t in wanted if t not in TRANSPORTS]
-        if unknown:
-            raise ValueError(f"transports: unknown {unknown}, expected a subset of {list(TRANSPORTS)}")
+        check_names(wanted)
         if tcp_connections < 1:
             raise ValueError(f"tcp_connections: must be >= 1, got {tcp_connections}")
         if not 4096 <= slice_bytes <= 256 << 20:
@@ -297,29 +173,11 @@ class TransferEngine:
         """Start the tcp server and probe rdma/link; returns self. Idempotent."""
         if self._started:
             return self
-        from daybreak.agent.transfer.shm import ShmTransport
-        from daybreak.agent.transfer.tcp import TcpTransport
-
-        if "shm" in self._wanted:
-            self._transports["shm"] = ShmTransport(self)
-        if "tcp" in self._wanted:
-            self._transports["tcp"] = TcpTransport(self)
-        if "rdma" in self._wanted:
-            from daybreak.agent.transfer.rdma import RdmaTransport, RdmaUnavailable
-
-            try:
-                self._transports["rdma"] = RdmaTransport(self, verbs=self._verbs, topology=self._topology,
-                                                         runtime=self.runtime, nics=self._rdma_nics)
-            except RdmaUnavailable as exc:
-                log.info("transfer rdma disabled engine=%s cause=%r fallback=tcp", self.engine_id, str(exc))
-        if "link" in self._wanted:
-            if self.runtime is None or not getattr(self.runtime, "devices", lambda: ())():
-                log.info("transfer link disabled engine=%s cause='no accelerator runtime with devices' fallback=shm,tcp",
-                         self.engine_id)
-            else:
-                from daybreak.agent.transfer.link import LinkTransport
-
-                self._transports["link"] = LinkTransport(self, self.runtime)
+        config = TransportConfig(listen=self.listen, advertise=self.advertise,
+                                 tcp_connections=self.tcp_connections, slice_bytes=self.slice_bytes,
+                                 checksum=self.checksum, verbs=self._verbs, runtime=self.runtime,
+                                 rdma_nics=self._rdma_nics, topology=self._topology)
+        self._transports = open_transports(self, self._wanted, config)
         self._monitor.start()
         self._started = True
         log.info("transfer engine started engine=%s node=%s transports=%s tcp=%s", self.engine_id, self.node,
@@ -356,6 +214,10 @@ class TransferEngine:
     def transport(self, name: str) -> Transport:
         return self._transports[name]
 
+    def find_transport(self, name: str) -> Transport | None:
+        """``TransportHost``: another transport of this engine, or None where it is not up."""
+        return self._transports.get(name)
+
     # -- segments ----------------------------------------------------------------------------
     def register_segment(self, memory: ShmSegment | DeviceMemory | DeviceBuffer | Any, *,
                          name: str | None = None) -> LocalSegment:
@@ -373,16 +235,16 @@ class TransferEngine:
         if isinstance(memory, DeviceBuffer):
             runtime_buffer, memory = memory, DeviceMemory(memory.device, memory.address, memory.size)
         if isinstance(memory, ShmSegment):
-            shm, buffer, default_name = memory, _byte_view(memory.buffer, field="memory"), memory.name
+            shm, buffer, default_name = memory, byte_view(memory.buffer, field="memory"), memory.name
         elif isinstance(memory, DeviceMemory):
             device, default_name = memory, f"dev{memory.device}-{memory.ptr:x}"
             if memory.size <= 0:
                 raise ValueError(f"memory.size: must be positive, got {memory.size}")
         else:
-            buffer = _byte_view(memory, field="memory")
+            buffer = byte_view(memory, field="memory")
             if buffer.readonly:
                 raise ValueError("memory: segments must be writable (peers WRITE into them)")
-            default_name = f"buf-{_address_of(buffer):x}"
+            default_name = f"buf-{address_of(buffer):x}"
         size = device.size if device is not None else len(buffer)  # type: ignore[arg-type]
         if size <= 0:
             raise ValueError("memory: segment must not be empty")
@@ -534,7 +396,7 @@ class TransferEngine:
             local_device = local
             capacity = local.size
         else:
-            view = _byte_view(local, field=f"{where}.local")
+            view = byte_view(local, field=f"{where}.local")
             capacity = len(view)
         offset = request.local_offset
         if offset < 0 or offset > capacity:

@@ -26,10 +26,10 @@ from typing import Any
 from daybreak.agent.runtime.base import DeviceBuffer, RuntimeCallError, Unsupported
 from daybreak.agent.transfer.batch import Op
 from daybreak.agent.transfer.descriptor import DeviceRegion
-from daybreak.agent.transfer.engine import Job, LocalSegment, RemoteSegment, TransferEngine, Transport
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.agent.transfer.transport import Job, LocalSegment, RemoteSegment, Transport, TransportHost
+from daybreak.pool.shm import ShmSegment
 
-log = logging.getLogger("daybreak.transfer.link")
+log = logging.getLogger(__name__)
 
 WORKERS = 4
 STRIPE_MIN_BYTES = 8 << 20  # below this one copy call is cheaper than a fan-out
@@ -38,8 +38,8 @@ STRIPE_MIN_BYTES = 8 << 20  # below this one copy call is cheaper than a fan-out
 class LinkTransport(Transport):
     name = "link"
 
-    def __init__(self, engine: TransferEngine, runtime: Any) -> None:
-        self.engine = engine
+    def __init__(self, host: TransportHost, runtime: Any) -> None:
+        self.host = host
         self.runtime = runtime
         self.devices = list(runtime.devices())
         self.lanes: dict[tuple[int, int], int] = {}
@@ -86,13 +86,13 @@ class LinkTransport(Transport):
         try:
             self._copy(job)
         except (RuntimeCallError, Unsupported, OSError, ValueError) as exc:
-            self.engine.job_path_failed(job, str(exc), transport=self.name)
+            self.host.job_path_failed(job, str(exc), transport=self.name)
             return
         except Exception as exc:
             log.exception("link copy crashed segment=%s", job.remote.segment_id)
-            self.engine.job_path_failed(job, f"{type(exc).__name__}: {exc}", transport=self.name)
+            self.host.job_path_failed(job, f"{type(exc).__name__}: {exc}", transport=self.name)
             return
-        self.engine.job_done(job, transport=self.name)
+        self.host.job_done(job, transport=self.name)
 
     def _copy(self, job: Job) -> None:
         remote = self._remote(job.remote)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from daybreak.errors import DaybreakError
+
 
 @dataclass
 class TopologyView:
@@ -64,7 +66,7 @@ class Placement:
     stage_host: bool = False  # copy through host memory first (no GDR NIC and no linked device with one)
 
 
-class NoPath(Exception):
+class NoPath(DaybreakError):
     """No live NIC can carry the slice."""
 
 

@@ -23,14 +23,13 @@ hardware (this project's machines have none). Shape:
 pyverbs names used: device.get_device_list/Context(query_port, query_gid),
 pd.PD, mr.MR/DmaBufMR, cq.CQ(poll), qp.QPCap/QPInitAttr/QPAttr/QP(to_rts,
 modify, post_send, qp_num), addr.GID/GlobalRoute/AHAttr, wr.SGE/SendWR
-(set_wr_rdma) and the IBV_* constants from pyverbs.libibverbs_enums (rdma-core
-v59+) or pyverbs.enums (older).
+(set_wr_rdma) and the IBV_* constants, all through the one shim ``daybreak.agent.verbs``
+(pyverbs.libibverbs_enums in rdma-core v59+, pyverbs.enums before).
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import itertools
 import logging
 import random
@@ -38,16 +37,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
+from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
-from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
+from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
+from daybreak.agent.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
+from daybreak.errors import DaybreakError
 
-log = logging.getLogger("daybreak.transfer.rdma")
+log = logging.getLogger(__name__)
+
+__all__ = ["RdmaTransport", "RdmaUnavailable", "enum", "load_pyverbs"]
 
 SQ_DEPTH = 128  # work requests in flight per queue pair
 CQ_DEPTH = 4096
@@ -56,36 +59,9 @@ MAX_ATTEMPTS = 3
 CONNECT_TIMEOUT_S = 5.0
 
 
-class RdmaUnavailable(Exception):
-    """No usable RDMA stack (pyverbs missing, no devices, no active port); the engine falls back to tcp."""
-
-
-def load_pyverbs() -> Any:
+def load_pyverbs() -> Verbs:
     """The pyverbs modules the transport uses, with the enum module of whichever rdma-core is installed."""
-    try:
-        modules = {n: importlib.import_module(f"pyverbs.{n}") for n in ("device", "pd", "mr", "cq", "qp", "addr", "wr")}
-    except ImportError as exc:
-        raise RdmaUnavailable(f"pyverbs not importable ({exc}); install python3-pyverbs and put "
-                              "/usr/lib/python3/dist-packages on the path") from None
-    try:
-        enums = importlib.import_module("pyverbs.libibverbs_enums")  # rdma-core v59 and later
-    except ImportError:
-        enums = importlib.import_module("pyverbs.enums")
-    return SimpleNamespace(enums=enums, **modules)
-
-
-def enum(verbs: Any, name: str) -> int:
-    """``IBV_*`` constant by name: module level (old pyverbs.enums) or inside an enum class (v59)."""
-    module = verbs.enums
-    value = getattr(module, name, None)
-    if value is not None:
-        return int(value)
-    for item in vars(module).values():
-        if isinstance(item, type):
-            member = getattr(item, name, None)
-            if member is not None:
-                return int(member)
-    raise RdmaUnavailable(f"pyverbs has no constant {name}")
+    return Verbs.load(modules=TRANSPORT_MODULES)
 
 
 @dataclass(slots=True, eq=False)
@@ -212,9 +188,9 @@ class _Peer:
 class RdmaTransport(Transport):
     name = "rdma"
 
-    def __init__(self, engine: TransferEngine, *, verbs: Any = None, topology: Any = None, runtime: Any = None,
+    def __init__(self, host: TransportHost, *, verbs: Any = None, topology: Any = None, runtime: Any = None,
                  nics: list[str] | None = None, port: int = 1) -> None:
-        self.engine = engine
+        self.host = host
         self.verbs = verbs if verbs is not None else load_pyverbs()
         self.runtime = runtime
         if isinstance(topology, TopologyView) or topology is None:
@@ -326,8 +302,6 @@ class RdmaTransport(Transport):
 
     def _connect(self, peer: _Peer, job: Job) -> None:
         """Create queue pairs to every NIC the peer's segment is registered on, over its tcp server."""
-        from daybreak.agent.transfer.tcp import control_request
-
         d = job.remote.descriptor
         remote_nics = [r.nic for r in d.rdma]
         local = list(self.nics.values())
@@ -341,8 +315,9 @@ class RdmaTransport(Transport):
             offers.append({"local_nic": nic.name, "remote_nic": remote_nic, **self._endpoint_info(nic, qp, psn)})
         timeout = min(CONNECT_TIMEOUT_S, max(0.05, job.batch.deadline - time.monotonic()))
         try:
-            answer = control_request(self.engine, d.tcp_endpoint, wire.FrameType.RDMA_CONNECT,
-                                     {"engine_id": self.engine.engine_id, "pairs": offers}, timeout_s=timeout)
+            answer = control_request(d.tcp_endpoint, wire.FrameType.RDMA_CONNECT,
+                                     {"engine_id": self.host.engine_id, "pairs": offers},
+                                     engine_id=self.host.engine_id, token=self.host.token, timeout_s=timeout)
             accepted = answer["pairs"]
             if len(accepted) != len(fresh):
                 raise OSError(f"peer accepted {len(accepted)} of {len(fresh)} queue pairs")
@@ -401,7 +376,7 @@ class RdmaTransport(Transport):
         if job.view is None or job.view.readonly:
             return None
         address = ctypes.addressof(ctypes.c_char.from_buffer(job.view))
-        for segment in self.engine.local_segments():
+        for segment in self.host.local_segments():
             if segment.buffer is not None and "rdma" in segment.transport_state:
                 if segment.address <= address and address + job.length <= segment.address + segment.size:
                     return segment, address - segment.address
@@ -415,7 +390,7 @@ class RdmaTransport(Transport):
                     if not peer.live():
                         self._connect(peer, job)
             except Exception as exc:
-                self.engine.job_path_failed(job, f"queue-pair set-up with {job.peer} failed: {exc}", transport=self.name)
+                self.host.job_path_failed(job, f"queue-pair set-up with {job.peer} failed: {exc}", transport=self.name)
                 continue
             count = _Count((job.length + SLICE_BYTES - 1) // SLICE_BYTES)
             slices = [_Slice(job, count, off, min(SLICE_BYTES, job.length - off))
@@ -535,7 +510,7 @@ class RdmaTransport(Transport):
             s.count.left -= 1
             finished = s.count.left == 0 and job.state is s.count
         if finished:
-            self.engine.job_done(job, transport=self.name)
+            self.host.job_done(job, transport=self.name)
 
     def _retry(self, s: _Slice, cause: str) -> None:
         self._free_staging(s)
@@ -554,7 +529,7 @@ class RdmaTransport(Transport):
 
     def _give_up(self, s: _Slice, cause: str) -> None:
         if s.job.pending():
-            self.engine.job_path_failed(s.job, cause, transport=self.name)
+            self.host.job_path_failed(s.job, cause, transport=self.name)
 
     def _pair_failed(self, pair: _Pair, cause: str) -> None:
         if not pair.alive:
@@ -660,7 +635,7 @@ class RdmaTransport(Transport):
             nic.close()
 
 
-class _Skip(Exception):
+class _Skip(DaybreakError):
     """The slice's request already finished (deadline or failure elsewhere): do not post it."""
 
 

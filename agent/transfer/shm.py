@@ -10,17 +10,17 @@ from __future__ import annotations
 import logging
 
 from daybreak.agent.transfer.batch import Op
-from daybreak.agent.transfer.engine import Job, RemoteSegment, TransferEngine, Transport
-from daybreak.agent.transfer.segment import ShmSegment
+from daybreak.agent.transfer.transport import Job, RemoteSegment, Transport, TransportHost
+from daybreak.pool.shm import ShmSegment
 
-log = logging.getLogger("daybreak.transfer.shm")
+log = logging.getLogger(__name__)
 
 
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self._engine = engine
+    def __init__(self, host: TransportHost) -> None:
+        self._host = host
         self._mapped: list[ShmSegment] = []
 
     def supports(self, job: Job) -> bool:
@@ -44,7 +44,7 @@ class ShmTransport(Transport):
             try:
                 mapped = self.map(job.remote)
             except (OSError, ValueError) as exc:
-                self._engine.job_path_failed(job, f"cannot map /dev/shm/{job.remote.descriptor.shm_name}: {exc}", transport=self.name)
+                self._host.job_path_failed(job, f"cannot map /dev/shm/{job.remote.descriptor.shm_name}: {exc}", transport=self.name)
                 continue
             start = job.remote_offset
             assert job.view is not None
@@ -54,7 +54,7 @@ class ShmTransport(Transport):
                 job.view[:] = mapped[start:start + job.length]
             done.append(job)
         if done:
-            self._engine.jobs_done(done, self.name)
+            self._host.jobs_done(done, self.name)
 
     def close(self) -> None:
         for segment in self._mapped:

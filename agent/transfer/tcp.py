@@ -33,9 +33,13 @@ import crc32c
 
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
-from daybreak.agent.transfer.engine import Job, LocalSegment, TransferEngine, Transport
+from daybreak.agent.transfer.control import client_handshake, parse_endpoint, server_handshake
+from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
+from daybreak.pool.sockets import recv_exact_into, send_all
 
-log = logging.getLogger("daybreak.transfer.tcp")
+log = logging.getLogger(__name__)
+
+__all__ = ["TcpOptions", "TcpTransport"]
 
 MAX_ATTEMPTS = 3
 INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a connection is idle
@@ -44,42 +48,6 @@ INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a 
 PUMP_GRACE_S = 0.002
 CONNECT_TIMEOUT_S = 5.0
 _DRAIN = 1 << 20
-
-
-class PeerError(Exception):
-    """The peer answered ERROR for a frame: the request is wrong for it, not the path."""
-
-
-def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
-    """Send every buffer with as few ``sendmsg`` calls as the kernel allows; no joining, no copies."""
-    bufs = [memoryview(b) for b in buffers]
-    first = 0
-    while first < len(bufs):
-        sent = sock.sendmsg(bufs[first:first + 1000])
-        while sent:
-            size = bufs[first].nbytes
-            if sent >= size:
-                sent -= size
-                first += 1
-            else:
-                bufs[first] = bufs[first][sent:]
-                sent = 0
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    pos, size = 0, view.nbytes
-    while pos < size:
-        got = sock.recv_into(view[pos:], size - pos)
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        pos += got
-
-
-def _parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{field_name}: expected host:port, got {endpoint!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 @dataclass(slots=True)
@@ -106,14 +74,27 @@ class _Frame:
         return any(p.job.pending() for p in self.pieces)
 
 
+@dataclass(frozen=True, slots=True)
+class TcpOptions:
+    """The engine's tcp settings: where to listen, connections per peer, slice size, checksums."""
+
+    listen: str
+    advertise: str | None
+    connections: int
+    slice_bytes: int
+    checksum: bool
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self._engine = engine
+    def __init__(self, host: TransportHost, *, listen: str = "127.0.0.1:0", advertise: str | None = None,
+                 connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False) -> None:
+        self._host = host
+        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum)
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
-        self._server = _Server(engine)
+        self._server = _Server(host, self.options)
         self.endpoint = self._server.endpoint
 
     def supports(self, job: Job) -> bool:
@@ -127,7 +108,7 @@ class TcpTransport(Transport):
             with self._lock:
                 peer = self._peers.get(endpoint)
                 if peer is None or peer.closed:
-                    peer = self._peers[endpoint] = _Peer(self._engine, endpoint)
+                    peer = self._peers[endpoint] = _Peer(self._host, self.options, endpoint)
             peer.submit(group)
 
     def abort(self, batch: BatchHandle) -> None:
@@ -172,10 +153,11 @@ def _slice(jobs: Sequence[Job], *, slice_bytes: int, checksum: bool) -> list[_Fr
 class _Peer:
     """All connections to one remote engine, sharing one queue of frames."""
 
-    def __init__(self, engine: TransferEngine, endpoint: str) -> None:
-        self.engine = engine
+    def __init__(self, host: TransportHost, options: TcpOptions, endpoint: str) -> None:
+        self.host = host
+        self.options = options
         self.endpoint = endpoint
-        self.address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
+        self.address = parse_endpoint(endpoint, field_name="tcp_endpoint")
         self.queue: queue.SimpleQueue[_Frame | None] = queue.SimpleQueue()
         self.conns: list[_Conn] = []
         self.lock = threading.Lock()  # guards conns; held while connecting
@@ -188,10 +170,10 @@ class _Peer:
             self._ensure_connections(jobs[0].batch.deadline)
         except OSError as exc:
             for job in jobs:
-                self.engine.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}", transport="tcp")
+                self.host.job_path_failed(job, f"cannot connect to {self.endpoint}: {exc}", transport="tcp")
             return
         budget = INLINE_SEND_BYTES
-        for frame in _slice(jobs, slice_bytes=self.engine.slice_bytes, checksum=self.engine.checksum):
+        for frame in _slice(jobs, slice_bytes=self.options.slice_bytes, checksum=self.options.checksum):
             # Small frames go out from the submitting thread when a connection is idle: handing
             # them to a sender thread costs a thread switch, which is most of a 64 KiB write.
             cost = frame.nbytes if frame.op is Op.WRITE else 0
@@ -218,12 +200,12 @@ class _Peer:
 
     def _ensure_connections(self, deadline: float) -> None:
         conns = self.conns
-        if len(conns) >= self.engine.tcp_connections and all(c.alive for c in conns):
+        if len(conns) >= self.options.connections and all(c.alive for c in conns):
             return  # the common case, without the lock
         with self.lock:
             alive = [c for c in self.conns if c.alive]
             self.conns = alive
-            missing = self.engine.tcp_connections - len(alive)
+            missing = self.options.connections - len(alive)
             for _ in range(missing):
                 timeout = max(0.05, min(CONNECT_TIMEOUT_S, deadline - time.monotonic()))
                 try:
@@ -278,9 +260,9 @@ class _Peer:
                 continue
             seen.add(id(job))
             if path:
-                self.engine.job_path_failed(job, cause, transport="tcp")
+                self.host.job_path_failed(job, cause, transport="tcp")
             else:
-                self.engine.job_request_failed(job, cause, transport="tcp")
+                self.host.job_request_failed(job, cause, transport="tcp")
 
     def pieces_done(self, frame: _Frame) -> None:
         finished: list[Job] = []
@@ -290,7 +272,7 @@ class _Peer:
                 if piece.job.state == 0:
                     finished.append(piece.job)
         if finished:
-            self.engine.jobs_done(finished, "tcp")
+            self.host.jobs_done(finished, "tcp")
 
     def abort(self, batch: BatchHandle) -> None:
         for conn in list(self.conns):
@@ -335,7 +317,8 @@ class _Conn:
         self.receiver.start()
 
     def _hello(self) -> None:
-        self.peer.peer_engine = _handshake(self.sock, self.peer.engine)
+        self.peer.peer_engine = client_handshake(self.sock, engine_id=self.peer.host.engine_id,
+                                                 token=self.peer.host.token)
 
     def carries(self, batch: BatchHandle) -> bool:
         with self.lock:
@@ -367,7 +350,7 @@ class _Conn:
         """Send one frame (caller holds ``send_lock``); False when this connection is dead."""
         if not frame.live():
             return True  # its batch finished (deadline) while it queued
-        checksum = self.peer.engine.checksum
+        checksum = self.peer.options.checksum
         frame_id = next(_Conn._ids)
         kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
         extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
@@ -386,7 +369,7 @@ class _Conn:
             if not frame.sync:
                 self.ready.notify()  # sync frames are read by their waiter (or after a kick)
         try:
-            _sendmsg_all(self.sock, buffers)
+            send_all(self.sock, buffers)
         except OSError as exc:
             self._broken(f"send to {self.peer.endpoint} failed: {exc}")
             return False
@@ -431,7 +414,7 @@ class _Conn:
         """Read and dispatch one answer (caller holds ``recv_lock``); a broken stream breaks the connection."""
         try:
             header = memoryview(self.header)
-            _recv_exact(self.sock, header)
+            recv_exact_into(self.sock, header)
             hdr = wire.parse_header(header)
             with self.lock:
                 frame = self.inflight.pop(hdr.frame_id, None)
@@ -443,7 +426,7 @@ class _Conn:
                 self._land(hdr, frame)
             elif hdr.type is wire.FrameType.ERROR:
                 message = bytearray(hdr.payload_len)
-                _recv_exact(self.sock, memoryview(message))
+                recv_exact_into(self.sock, memoryview(message))
                 self.peer.fail_frame(frame, f"peer {self.peer.endpoint}: {message.decode(errors='replace')}",
                                      path=False)
             else:
@@ -456,14 +439,14 @@ class _Conn:
 
     def _land(self, hdr: wire.Header, frame: _Frame) -> None:
         table = bytearray(hdr.count * wire.EXTENT.size)
-        _recv_exact(self.sock, memoryview(table))
+        recv_exact_into(self.sock, memoryview(table))
         extents = wire.parse_extents(table, hdr.count, payload_len=hdr.payload_len)
         if len(extents) != len(frame.pieces) or any(e.length != p.view.nbytes
                                                     for e, p in zip(extents, frame.pieces, strict=True)):
             raise wire.MalformedFrame("DATA extents do not match the READ they answer")
         bad = ""
         for extent, piece in zip(extents, frame.pieces, strict=True):
-            _recv_exact(self.sock, piece.view)
+            recv_exact_into(self.sock, piece.view)
             if hdr.flags & wire.FLAG_CRC and crc32c.crc32c(piece.view) != extent.crc:
                 bad = f"crc32c mismatch in slice at remote offset {piece.offset}"
         if bad:
@@ -490,65 +473,21 @@ class _Conn:
         self.peer.connection_lost(cause)
 
 
-def _handshake(sock: socket.socket, engine: TransferEngine) -> str:
-    """Client side of HELLO; returns the peer's engine id."""
-    body = json.dumps({"engine_id": engine.engine_id, "token": engine.token}).encode()
-    sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
-    header = bytearray(wire.HEADER.size)
-    _recv_exact(sock, memoryview(header))
-    hdr = wire.parse_header(header)
-    payload = bytearray(hdr.payload_len)
-    _recv_exact(sock, memoryview(payload))
-    if hdr.type is wire.FrameType.ERROR:
-        raise ValueError(payload.decode(errors="replace"))
-    if hdr.type is not wire.FrameType.HELLO:
-        raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
-    peer: str = json.loads(payload).get("engine_id", "")
-    return peer
-
-
-def control_request(engine: TransferEngine, endpoint: str, kind: wire.FrameType, message: dict[str, Any], *,
-                    timeout_s: float) -> dict[str, Any]:
-    """One request/answer exchange on a fresh connection (rdma queue-pair set-up rides on this).
-
-    Raises ``OSError`` when the peer cannot be reached and ``PeerError`` when it refuses.
-    """
-    address = _parse_endpoint(endpoint, field_name="tcp_endpoint")
-    with socket.create_connection(address, timeout=max(0.05, timeout_s)) as sock:
-        try:
-            _handshake(sock, engine)
-            body = json.dumps(message).encode()
-            sock.sendall(wire.pack_header(kind, frame_id=1, payload_len=len(body)) + body)
-            header = bytearray(wire.HEADER.size)
-            _recv_exact(sock, memoryview(header))
-            hdr = wire.parse_header(header)
-            payload = bytearray(hdr.payload_len)
-            _recv_exact(sock, memoryview(payload))
-        except (ValueError, wire.MalformedFrame) as exc:
-            raise OSError(f"control exchange with {endpoint} failed: {exc}") from None
-    if hdr.type is wire.FrameType.ERROR:
-        raise PeerError(payload.decode(errors="replace"))
-    if hdr.type is not kind:
-        raise OSError(f"control exchange with {endpoint}: expected {kind.name}, got {hdr.type.name}")
-    answer: dict[str, Any] = json.loads(payload)
-    return answer
-
-
 # ---------------------------------------------------------------------------- server side
 class _Server:
     """Accepts peers' connections and serves READ/WRITE frames against registered segments."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
-        host, port = _parse_endpoint(engine.listen, field_name="listen")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    def __init__(self, host: TransportHost, options: TcpOptions) -> None:
+        self.host = host
+        address, port = parse_endpoint(options.listen, field_name="listen")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock.bind((address, port))
         self.sock.listen(128)
         bound_host, bound_port = self.sock.getsockname()[:2]
-        if engine.advertise:
-            self.endpoint = engine.advertise
+        if options.advertise:
+            self.endpoint = options.advertise
         else:
             shown = bound_host if bound_host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
             self.endpoint = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
@@ -586,7 +525,7 @@ class _Server:
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            _ServerConn(self.engine, conn, peer).run()
+            _ServerConn(self.host, conn, peer).run()
         except wire.MalformedFrame as exc:
             log.warning("tcp malformed frame, closing connection peer=%s cause=%r", peer, str(exc))
         except OSError as exc:
@@ -600,8 +539,8 @@ class _Server:
 
 
 class _ServerConn:
-    def __init__(self, engine: TransferEngine, sock: socket.socket, peer: str) -> None:
-        self.engine = engine
+    def __init__(self, host: TransportHost, sock: socket.socket, peer: str) -> None:
+        self.host = host
         self.sock = sock
         self.peer = peer
         # a header and the first extent usually arrive together: read both in one call
@@ -631,22 +570,11 @@ class _ServerConn:
             view[:take] = self.spill[:take]
             self.spill = self.spill[take:]
         if take < view.nbytes:
-            _recv_exact(self.sock, view[take:])
+            recv_exact_into(self.sock, view[take:])
 
     def run(self) -> None:
-        hdr = self._next_header()
-        if hdr.type is not wire.FrameType.HELLO:
-            raise wire.MalformedFrame(f"expected HELLO first, got {hdr.type.name}")
-        hello = self._message(hdr.payload_len)
-        try:
-            token = json.loads(hello).get("token", "")
-        except (ValueError, AttributeError):
-            raise wire.MalformedFrame("HELLO payload is not a JSON object") from None
-        if token != self.engine.token:
-            self._error(0, "bad token: this engine serves another pool")
-            raise wire.MalformedFrame(f"bad token from {self.peer}")
-        body = json.dumps({"engine_id": self.engine.engine_id}).encode()
-        self.sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+        server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
+                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer)
         while True:
             hdr = self._next_header()
             if hdr.type is wire.FrameType.WRITE:
@@ -682,7 +610,7 @@ class _ServerConn:
         views: list[memoryview] = []
         staged: list[tuple[Any, int, memoryview]] = []
         for extent in extents:
-            segment: LocalSegment | None = self.engine.served_segment(extent.segment)
+            segment: LocalSegment | None = self.host.served_segment(extent.segment)
             if segment is None:
                 return extents, [], [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
             if extent.offset + extent.length > segment.size:
@@ -690,7 +618,7 @@ class _ServerConn:
                                          f"{segment.segment_id} of {segment.size} bytes")
             if segment.buffer is not None:
                 views.append(segment.buffer[extent.offset:extent.offset + extent.length])
-            elif self.engine.runtime is not None and segment.device is not None:
+            elif self.host.runtime is not None and segment.device is not None:
                 bounce = memoryview(bytearray(extent.length))
                 views.append(bounce)
                 staged.append((segment.transport_state["device_buffer"], extent.offset, bounce))
@@ -719,7 +647,7 @@ class _ServerConn:
                     return
         try:
             for device, offset, bounce in staged:
-                self.engine.runtime.copy_to_device(device, bounce, offset=offset)
+                self.host.runtime.copy_to_device(device, bounce, offset=offset)
         except Exception as exc:
             self._error(hdr.frame_id, f"copy into device memory failed: {exc}")
             return
@@ -730,7 +658,7 @@ class _ServerConn:
         if not problem:
             try:
                 for device, offset, bounce in staged:
-                    self.engine.runtime.copy_to_host(bounce, device, offset=offset)
+                    self.host.runtime.copy_to_host(bounce, device, offset=offset)
             except Exception as exc:
                 problem = f"copy out of device memory failed: {exc}"
         if problem:
@@ -742,16 +670,16 @@ class _ServerConn:
         total = sum(e.length for e in extents)
         head = wire.pack_header(wire.FrameType.DATA, frame_id=hdr.frame_id, count=len(answer), payload_len=total,
                                 flags=hdr.flags & wire.FLAG_CRC)
-        _sendmsg_all(self.sock, [head + wire.pack_extents(answer), *views])
+        send_all(self.sock, [head + wire.pack_extents(answer), *views])
 
     def _rdma_connect(self, hdr: wire.Header) -> None:
         request = self._message(hdr.payload_len)
-        rdma = self.engine._transports.get("rdma")
+        rdma = self.host.find_transport("rdma")
         if rdma is None:
             self._error(hdr.frame_id, "rdma is not enabled on this engine")
             return
         try:
-            answer = rdma.accept(json.loads(request))  # type: ignore[attr-defined]
+            answer = rdma.accept(json.loads(request))
         except Exception as exc:
             self._error(hdr.frame_id, f"rdma connect refused: {exc}")
             return

@@ -21,6 +21,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from daybreak.errors import DaybreakError
+
 MAGIC = b"DT"
 VERSION = 1
 HEADER = struct.Struct("!2sBBHHQII")
@@ -47,7 +49,7 @@ class FrameType(enum.IntEnum):
     RDMA_CONNECT = 7
 
 
-class MalformedFrame(Exception):
+class MalformedFrame(DaybreakError):
     """The byte stream does not hold a valid frame; the connection must be closed."""
 
 

@@ -27,6 +27,7 @@ import httpx
 
 from daybreak.devenv import pki as pki_mod
 from daybreak.devenv import tools
+from daybreak.errors import DaybreakError
 
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_IP = "10.0.0.1"
@@ -36,7 +37,7 @@ FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 ACCELERATOR_RESOURCE = {"sunrise": "daybreak.dev/sunrise", "nvidia": "nvidia.com/gpu"}
 
 
-class ClusterError(RuntimeError):
+class ClusterError(DaybreakError, RuntimeError):
     """A component failed to start; the message names it and its log file."""
 
 

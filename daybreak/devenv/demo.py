@@ -62,7 +62,7 @@ def main() -> int:
 
 def operator_demo(cluster: LocalCluster, directory: Path) -> list[Any]:
     """CRDs, the operator as two replicas under leader election, the examples, and what they became."""
-    from daybreak.operator.process import OperatorProcess
+    from daybreak.testing.operator_process import OperatorProcess
 
     step("installing the CRDs and the agents' node ClusterRole + admission policy (from the Helm chart)")
     kubectl(cluster, "apply", "-f", str(ROOT / "crds"))
@@ -109,8 +109,8 @@ def store_demo(directory: Path) -> None:
     import hashlib
     import uuid
 
-    from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
     from daybreak.client import KVPoolClient
+    from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
     step("the KV pool's data plane: two standalone agents on loopback, 2 replicas (the DaemonSet's job in a cluster)")
     pool = f"demo-{uuid.uuid4().hex[:6]}"

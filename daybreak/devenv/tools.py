@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from daybreak.devenv.versions import TOOLS, GoTool
+from daybreak.errors import DaybreakError
 
 Progress = Callable[[str], None]
 
@@ -30,7 +31,7 @@ Progress = Callable[[str], None]
 _PROVIDER = {binary: tool for tool in TOOLS.values() for binary in tool.binaries.values()}
 
 
-class ToolError(RuntimeError):
+class ToolError(DaybreakError, RuntimeError):
     """A tool could not be found or built; the message says what to do."""
 
 

@@ -1,0 +1,70 @@
+"""Named shared-memory segments in /dev/shm: the unit of memory the store serves, the client and shm transport map.
+
+A segment outlives the process that created it (that is how a restarted
+agent re-adopts its DRAM tier), so creating and unlinking are explicit.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+SHM_DIR = Path(os.environ.get("DAYBREAK_SHM_DIR", "/dev/shm"))
+
+
+class ShmSegment:
+    """A mapping of ``SHM_DIR/<name>``; ``buffer`` is a writable memoryview of all of it."""
+
+    def __init__(self, name: str, size: int, fd: int) -> None:
+        self.name = name
+        self.size = size
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        self.buffer = memoryview(self._map)
+
+    @staticmethod
+    def path_of(name: str) -> Path:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"invalid segment name {name!r}")
+        return SHM_DIR / name
+
+    @classmethod
+    def create(cls, name: str, size: int, *, exist_ok: bool = False) -> ShmSegment:
+        """Create (or with ``exist_ok`` re-adopt) a segment of ``size`` bytes."""
+        if size <= 0:
+            raise ValueError(f"segment size must be positive, got {size}")
+        flags = os.O_RDWR | os.O_CREAT | (0 if exist_ok else os.O_EXCL)
+        fd = os.open(cls.path_of(name), flags, 0o600)
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        return cls(name, size, fd)
+
+    @classmethod
+    def attach(cls, name: str) -> ShmSegment:
+        """Map an existing segment created by another process."""
+        fd = os.open(cls.path_of(name), os.O_RDWR)
+        return cls(name, os.fstat(fd).st_size, fd)
+
+    def close(self) -> None:
+        """Unmap; fails with BufferError while exported views are alive."""
+        self.buffer.release()
+        self._map.close()
+
+    def unlink(self) -> None:
+        self.path_of(self.name).unlink(missing_ok=True)
+
+
+MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
+MADV_POPULATE_WRITE = 23
+
+
+def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
+    """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
+    mapping: Any = segment.buffer.obj  # the segment's mmap object
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True

@@ -1,0 +1,368 @@
+"""Unit tests of the operator's pure parts: child manifests, status and conditions, names, queue, settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from daybreak.agent.settings import AgentSettings
+from daybreak.api.kvcompat import KVLayout, kv_namespace
+from daybreak.api.kvpool import KVPool
+from daybreak.api.pddeployment import PDDeployment, Role
+from daybreak.operator import conditions as cond
+from daybreak.operator import deployment as pdd_mod
+from daybreak.operator import pool as pool_mod
+from daybreak.operator.children import dns_name, owner_reference, standard_labels
+from daybreak.operator.leader import LeaseTiming
+from daybreak.operator.settings import OperatorSettings
+from daybreak.operator.workqueue import WorkQueue
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "example.test/daybreak:1"
+
+
+def _load(name: str, **meta: Any) -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "examples" / name).read_text())
+    body["metadata"].update({"namespace": "ns1", "uid": "uid-1", "generation": 3, **meta})
+    return dict(body)
+
+
+def _pool(name: str = "kvpool-minimal.yaml", **spec: Any) -> KVPool:
+    body = _load(name)
+    body["spec"].update(spec)
+    return KVPool.from_body(body)
+
+
+def _pdd(**spec: Any) -> PDDeployment:
+    body = _load("pddeployment-sim.yaml")
+    body["spec"].update(spec)
+    return PDDeployment.from_body(body)
+
+
+def _by_kind(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+# -- names and labels ------------------------------------------------------------------------
+def test_dns_name_keeps_short_names_and_cuts_long_ones_stably() -> None:
+    assert dns_name("pool", "agent") == "pool-agent"
+    long = dns_name("p" * 80, "prefill")
+    assert len(long) == 63 and long.endswith("-prefill")
+    assert long == dns_name("p" * 80, "prefill")
+    assert long != dns_name("p" * 79 + "q", "prefill")
+    assert len(dns_name("x" * 300, "daybreak-agent", limit=253)) == 253
+
+
+def test_standard_labels_and_owner_reference() -> None:
+    labels = standard_labels(name="daybreak-engine", instance="d", component="decode", pool="p", deployment="d",
+                             role="decode")
+    assert labels == {
+        "app.kubernetes.io/name": "daybreak-engine", "app.kubernetes.io/instance": "d",
+        "app.kubernetes.io/component": "decode", "app.kubernetes.io/managed-by": "daybreak-operator",
+        "daybreak.dev/pool": "p", "daybreak.dev/deployment": "d", "daybreak.dev/role": "decode",
+    }
+    ref = owner_reference({"apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool",
+                           "metadata": {"name": "p", "uid": "u"}})
+    assert ref == {"apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool", "name": "p", "uid": "u",
+                   "controller": True, "blockOwnerDeletion": True}
+
+
+# -- KVPool children --------------------------------------------------------------------------
+def test_pool_children_and_agent_privileges() -> None:
+    pool = _pool("kvpool-production.yaml")
+    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    kinds = [m["kind"] for m in out.applied]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "DaemonSet"]
+    (ds,) = _by_kind(out.applied, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"daybreak.dev/accelerator": "sunrise", "daybreak.dev/rdma": "true"}
+    assert pod["tolerations"] == [{"key": "daybreak.dev/dedicated", "operator": "Equal", "value": "inference",
+                                   "effect": "NoSchedule"}]
+    assert pod["serviceAccountName"] == "kv-production-daybreak-agent"
+    (agent,) = pod["containers"]
+    assert agent["command"] == ["daybreak", "agent", "--config", "/etc/daybreak/agent.yaml"]
+    assert agent["image"] == IMAGE
+    assert agent["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"], "drop": ["ALL"]}
+    assert agent["securityContext"]["privileged"] is False
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    assert mounts["/host/sys"]["readOnly"] is True
+    assert set(mounts) == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token",
+                           "/mnt/nvme0/daybreak", "/dev/hugepages", "/dev/infiniband"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["host-sys"]["hostPath"]["path"] == "/sys"
+    assert volumes["ssd"]["hostPath"] == {"path": "/mnt/nvme0/daybreak", "type": "DirectoryOrCreate"}
+    assert volumes["token"]["secret"]["secretName"] == "kv-production-token"
+    assert agent["readinessProbe"]["tcpSocket"]["port"] == "store"
+    assert agent["resources"] == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "2", "memory": "2Gi"}}
+    assert out.token_secret is not None and out.token_secret["metadata"]["name"] == "kv-production-token"
+    assert out.cluster_binding is not None
+    assert out.cluster_binding["roleRef"]["name"] == "daybreak-agent"
+    assert out.cluster_binding["subjects"][0] == {"kind": "ServiceAccount", "name": "kv-production-daybreak-agent",
+                                                  "namespace": "ns1"}
+
+
+def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
+    pool = _pool(transport={"preference": ["shm", "tcp"]})
+    (ds,) = _by_kind(pool_mod.build(pool, image=IMAGE, metrics_port=9401).applied, "DaemonSet")
+    mounts = {m["mountPath"] for m in ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert "/dev/infiniband" not in mounts
+    assert mounts == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token"}
+
+
+def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
+    pool = _pool("kvpool-production.yaml")
+    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    (cm,) = _by_kind(out.applied, "ConfigMap")
+    settings = AgentSettings.model_validate(yaml.safe_load(cm["data"]["agent.yaml"]))
+    assert settings.dram_bytes == 256 * 2**30
+    assert settings.ssd_bytes == 3 * 2**40 and settings.ssd_path == "/mnt/nvme0/daybreak"
+    assert settings.replicas == 2 and settings.pool_name == "kv-production" and settings.pool_namespace == "ns1"
+    assert settings.eviction_policy == "s3fifo" and settings.high_watermark == 0.92
+    assert settings.listen == "0.0.0.0:7400"
+    assert json.loads(cm["data"]["pool.json"])["tiers"]["dram"]["hugePages"] is True
+    (ds,) = _by_kind(out.applied, "DaemonSet")
+    hash1 = ds["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION]
+    changed = _pool("kvpool-production.yaml", leaseSeconds=20)
+    (ds2,) = _by_kind(pool_mod.build(changed, image=IMAGE, metrics_port=9401).applied, "DaemonSet")
+    assert ds2["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION] != hash1
+
+
+def test_pool_with_secret_ref_generates_no_token() -> None:
+    pool = _pool(auth={"secretRef": {"name": "mine"}})
+    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    assert out.token_secret is None
+    (ds,) = _by_kind(out.applied, "DaemonSet")
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["token"]["secret"]["secretName"] == "mine"
+
+
+def _ready_pod(node: str, ip: str, ready: bool = True) -> dict[str, Any]:
+    return {"metadata": {"name": f"a-{node}"}, "spec": {"nodeName": node},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_pool_status_sums_reports_and_falls_back_to_the_spec() -> None:
+    pool = _pool()
+    ds = {"status": {"desiredNumberScheduled": 2, "numberReady": 2}}
+    pods = [_ready_pod("n0", "10.0.0.1"), _ready_pod("n1", "10.0.0.2")]
+    reports = [pool_mod.AgentReport("n0", {"dram": 100, "ssd": 7}, {"dram": 40})]
+    st = pool_mod.status(pool, daemonset=ds, pods=pods, reports=reports, existing=None, generation=3)
+    assert st["nodes"] == {"desired": 2, "ready": 2}
+    assert st["capacity"] == {"hbm": 0, "dram": 100 + 8 * 2**30, "ssd": 7}
+    assert st["used"] == {"hbm": 0, "dram": 40, "ssd": 0}
+    assert [e["node"] for e in st["endpoints"]] == ["n0", "n1"]
+    assert st["endpoints"][0]["port"] == 7400
+    ready = cond.find(st["conditions"], "Ready")
+    assert ready is not None and ready["status"] == "True" and ready["observedGeneration"] == 3
+    assert st["observedGeneration"] == 3
+
+
+def test_pool_status_conditions_name_the_problem() -> None:
+    pool = _pool()
+    none = pool_mod.status(pool, daemonset={"status": {"desiredNumberScheduled": 0}}, pods=[], reports=[],
+                           existing=None, generation=1)
+    assert cond.find(none["conditions"], "Ready")["reason"] == "NoNodesSelected"  # type: ignore[index]
+    partial = pool_mod.status(pool, daemonset={"status": {"desiredNumberScheduled": 2}},
+                              pods=[_ready_pod("n0", "1.1.1.1"), _ready_pod("n1", "1.1.1.2", ready=False)],
+                              reports=[], existing=None, generation=1)
+    assert cond.find(partial["conditions"], "Ready")["reason"] == "AgentsNotReady"  # type: ignore[index]
+    degraded = cond.find(partial["conditions"], "Degraded")
+    assert degraded is not None and degraded["status"] == "True" and degraded["reason"] == "AgentsUnavailable"
+    assert partial["nodes"] == {"desired": 2, "ready": 1}
+
+
+# -- PDDeployment children -------------------------------------------------------------------------
+def test_pdd_children_env_and_labels() -> None:
+    pdd, pool = _pdd(), _pool()
+    out = pdd_mod.build(pdd, pool, image=IMAGE)
+    names = [(m["kind"], m["metadata"]["name"]) for _, m in out.applied]
+    assert names == [("Deployment", "sim-llama-prefill"), ("Service", "sim-llama-prefill"),
+                     ("Deployment", "sim-llama-decode"), ("Service", "sim-llama-decode"),
+                     ("Deployment", "sim-llama-router"), ("Service", "sim-llama")]
+    decode = next(m for role, m in out.applied if role == Role.DECODE and m["kind"] == "Deployment")
+    assert decode["spec"]["replicas"] == 2
+    assert decode["spec"]["selector"]["matchLabels"] == {"daybreak.dev/deployment": "sim-llama",
+                                                         "daybreak.dev/role": "decode"}
+    assert decode["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128)
+    expected_ns = kv_namespace(model_name="meta-llama/Llama-3.1-8B-Instruct",
+                               model_revision="0e9e39f249a16976918f6564b8830bc894c89659", layout=layout,
+                               engine="sim")
+    assert env["DAYBREAK_KV_NAMESPACE"]["value"] == expected_ns
+    assert env["DAYBREAK_ROLE"]["value"] == "decode"
+    assert env["DAYBREAK_POOL_ENDPOINTS"]["value"] == "kv-minimal-agents.ns1.svc:7400"
+    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kv-minimal-token", "key": "token"}}
+    assert env["DAYBREAK_TRANSPORTS"]["value"] == "shm,link,rdma,tcp"
+    assert env["DAYBREAK_BLOCK_BYTES"]["value"] == str(layout.bytes_per_block)
+    assert container["command"][:4] == ["daybreak", "sim-engine", "--role", "decode"]
+    labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert labels["daybreak.dev/pool"] == "kv-minimal" and labels["app.kubernetes.io/component"] == "decode"
+    services = {m["metadata"]["name"]: m for _, m in out.applied if m["kind"] == "Service"}
+    assert services["sim-llama-decode"]["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in services["sim-llama"]["spec"]
+
+
+def test_pdd_user_env_and_template_merge_without_losing_selector_labels() -> None:
+    pdd = _pdd(engine={"kind": "sim", "env": [{"name": "DAYBREAK_ROLE", "value": "override"},
+                                              {"name": "EXTRA", "value": "1"}]},
+               decode={"replicas": 1, "template": {
+                   "metadata": {"labels": {"daybreak.dev/role": "hijack", "team": "a"}},
+                   "spec": {"tolerations": [{"operator": "Exists"}],
+                            "containers": [{"name": "engine", "imagePullPolicy": "Always"}]}}})
+    out = pdd_mod.build(pdd, _pool(), image=IMAGE)
+    decode = next(m for role, m in out.applied if role == Role.DECODE and m["kind"] == "Deployment")
+    template = decode["spec"]["template"]
+    assert template["metadata"]["labels"]["daybreak.dev/role"] == "decode"
+    assert template["metadata"]["labels"]["team"] == "a"
+    assert template["spec"]["tolerations"] == [{"operator": "Exists"}]
+    (container,) = template["spec"]["containers"]
+    assert container["imagePullPolicy"] == "Always" and container["command"][1] == "sim-engine"
+    env = [e["name"] for e in container["env"]]
+    assert env.count("DAYBREAK_ROLE") == 1 and env[-2:] == ["DAYBREAK_ROLE", "EXTRA"]
+
+
+def test_pdd_revision_follows_the_pod_template_not_the_replicas() -> None:
+    pool = _pool()
+    base = pdd_mod.build(_pdd(), pool, image=IMAGE).revision
+    assert pdd_mod.build(_pdd(decode={"replicas": 5}), pool, image=IMAGE).revision == base
+    model = {"name": "meta-llama/Llama-3.1-8B-Instruct", "revision": "other",
+             "kvLayout": {"numLayers": 32, "numKVHeads": 8, "headDim": 128}}
+    assert pdd_mod.build(_pdd(model=model), pool, image=IMAGE).revision != base
+
+
+def test_pdd_router_disabled_builds_no_router() -> None:
+    out = pdd_mod.build(_pdd(router={"enabled": False}), _pool(), image=IMAGE)
+    assert all(role != Role.ROUTER for role, _ in out.applied)
+    assert out.router_names == ("sim-llama-router", "sim-llama")
+
+
+def _workload(replicas: int, ready: int, updated: int | None = None, generation: int = 1) -> dict[str, Any]:
+    updated = replicas if updated is None else updated
+    return {"metadata": {"generation": generation},
+            "status": {"observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": updated, "availableReplicas": ready}}
+
+
+def test_pdd_status_pool_not_found_and_ready() -> None:
+    pdd = _pdd()
+    missing = pdd_mod.status(pdd, pool=None, workloads={}, revision=None, existing=None, generation=3)
+    ready = cond.find(missing["conditions"], "Ready")
+    assert ready is not None and ready["status"] == "False" and ready["reason"] == "PoolNotFound"
+    assert "kv-minimal" in ready["message"]
+    assert missing["kvNamespace"] == pdd.spec.kv_namespace()
+    ok = pdd_mod.status(pdd, pool=_pool(), workloads={Role.PREFILL: _workload(1, 1), Role.DECODE: _workload(2, 2),
+                                                     Role.ROUTER: _workload(1, 1)},
+                        revision="abc", existing=missing, generation=3)
+    assert cond.find(ok["conditions"], "Ready")["status"] == "True"  # type: ignore[index]
+    assert cond.find(ok["conditions"], "Progressing")["status"] == "False"  # type: ignore[index]
+    assert ok["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    assert ok["revision"] == "abc" and ok["observedGeneration"] == 3
+    rolling = pdd_mod.status(pdd, pool=_pool(), workloads={Role.PREFILL: _workload(1, 1),
+                                                          Role.DECODE: _workload(3, 2, updated=1),
+                                                          Role.ROUTER: _workload(1, 1)},
+                             revision="def", existing=ok, generation=4)
+    progressing = cond.find(rolling["conditions"], "Progressing")
+    assert progressing is not None and progressing["status"] == "True" and "decode" in progressing["message"]
+
+
+# -- conditions, queue, settings ---------------------------------------------------------------------
+def test_condition_merge_moves_transition_time_only_on_status_change() -> None:
+    first = cond.merge(None, [cond.Condition(type="Ready", status="False", reason="A")], generation=1, now="t1")
+    same = cond.merge([*first, {"type": "Foreign", "status": "True"}],
+                      [cond.Condition(type="Ready", status="False", reason="B", message="m")], generation=2, now="t2")
+    assert same[0]["lastTransitionTime"] == "t1" and same[0]["reason"] == "B" and same[0]["observedGeneration"] == 2
+    assert same[1] == {"type": "Foreign", "status": "True"}
+    flipped = cond.merge(same, [cond.Condition(type="Ready", status="True", reason="C")], generation=2, now="t3")
+    assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+def test_work_queue_dedups_and_never_hands_a_key_to_two_workers() -> None:
+    async def scenario() -> None:
+        q: WorkQueue[str] = WorkQueue(base_delay=0.01, max_delay=0.04)
+        q.add("a")
+        q.add("a")
+        q.add("b")
+        assert len(q) == 2
+        key = await q.get()
+        assert key == "a"
+        q.add("a")  # while "a" is in flight: queued again only after done()
+        assert await q.get() == "b"
+        assert len(q) == 0
+        q.done("a")
+        assert await q.get() == "a"
+        q.done("a")
+        q.done("b")
+        delays = [q.add_rate_limited("c") for _ in range(4)]
+        assert delays == [0.01, 0.02, 0.04, 0.04]
+        assert await asyncio.wait_for(q.get(), timeout=5) == "c"
+        q.forget("c")
+        assert q.failures("c") == 0
+
+    asyncio.run(scenario())
+
+
+def test_lease_timing_and_settings_reject_bad_values_naming_them() -> None:
+    with pytest.raises(ValueError, match="renew_deadline"):
+        LeaseTiming(lease_duration=5, renew_deadline=6, retry_period=1)
+    with pytest.raises(ValueError, match="namespace and all_namespaces"):
+        OperatorSettings.load(overrides={"namespace": "a", "all_namespaces": True}, environ={})
+    with pytest.raises(ValueError, match="workers"):
+        OperatorSettings.load(overrides={"workers": 0}, environ={})
+    s = OperatorSettings.load(overrides={"resync_seconds": None}, environ={"DAYBREAK_OPERATOR_RESYNC_SECONDS": "3"})
+    assert s.resync_seconds == 3.0 and s.clusterwide
+
+
+def test_applier_skips_only_children_nobody_touched_since_our_apply() -> None:
+    from daybreak.operator.children import Applier
+    from daybreak.operator.events import EventRecorder
+
+    class Client:
+        """Stands in for the API server's apply: echoes the body with a generation."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def apply(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+            self.calls += 1
+            live = json.loads(json.dumps(body))
+            live["metadata"]["generation"] = 1
+            return live, self.calls == 1
+
+    cache: dict[str, Any] = {}
+    client = Client()
+    applier = Applier(client, events=EventRecorder(client), fence=lambda: True,  # type: ignore[arg-type]
+                      cache=lambda kind, ns, name: cache.get(name))
+    parent = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment",
+              "metadata": {"name": "p", "namespace": "ns", "uid": "u1"}}
+    child = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "p-decode"},
+             "spec": {"replicas": 2}}
+    labels = {"daybreak.dev/role": "decode"}
+
+    async def scenario() -> None:
+        first = await applier.apply(parent, child, labels=labels)
+        assert first.outcome == "created" and client.calls == 1
+        cache["p-decode"] = first.obj
+        assert (await applier.apply(parent, child, labels=labels)).outcome == "skipped"
+        assert client.calls == 1
+        cache["p-decode"] = {**first.obj, "metadata": {**first.obj["metadata"], "generation": 2}}  # kubectl scale
+        await applier.apply(parent, child, labels=labels)
+        assert client.calls == 2
+        cache["p-decode"] = {**first.obj, "metadata": {**first.obj["metadata"], "labels": {}}}  # labels removed
+        await applier.apply(parent, child, labels=labels)
+        assert client.calls == 3
+        cache["p-decode"] = first.obj
+        await applier.apply(parent, {**child, "spec": {"replicas": 3}}, labels=labels)  # a new desired state
+        assert client.calls == 4
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "p-decode"}, "spec": {}}
+        await applier.apply(parent, service, labels=labels)
+        await applier.apply(parent, service, labels=labels)  # not watched: always applied
+        assert client.calls == 6
+
+    asyncio.run(scenario())
