@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from daybreak.client.hashing import block_hashes
+from daybreak.errors import DaybreakError
 
 # Mooncake's traces cut prompts into blocks of this many tokens (FAST'25 release).
 TRACE_BLOCK_TOKENS = 512
 _PATTERN_BYTES = 64
 
 
-class PromptError(ValueError):
+class PromptError(DaybreakError, ValueError):
     """The request's prompt is missing or malformed; the message names the field."""
 
 
