@@ -95,8 +95,6 @@ class Controller:
         self.generations: dict[Key, int] = {}
         self.pool_of: dict[tuple[str, str], str] = {}  # (ns, pdd) -> pool
         self.last_reconciled: dict[Key, float] = {}  # monotonic time of the last successful full reconcile
-        # Token Secrets known to exist this term: created once, then never asked for again (no GET right).
-        self.known_secrets: set[tuple[str, str]] = set()
         # Subjects of the shared agent ClusterRoleBinding known to be there; one writer at a time.
         self.bound_agents: set[tuple[str, str]] = set()
         self._binding_lock = asyncio.Lock()
@@ -345,9 +343,9 @@ class Controller:
                                      policy=self.settings.pool_policy)
             labels = pool_mod.labels_for(pool)
             if desired.token_secret is not None:
-                if (ns, desired.token_secret["metadata"]["name"]) not in self.known_secrets:
-                    await self.applier.create_once(body, desired.token_secret, labels=labels)
-                    self.known_secrets.add((ns, desired.token_secret["metadata"]["name"]))
+                # A POST per full reconcile (409 once it exists): the operator cannot watch Secrets, and a
+                # deleted token must come back (that is how a pool's token is rotated).
+                await self.applier.create_once(body, desired.token_secret, labels=labels)
             else:
                 secret = pool_mod.token_secret_name(pool)
                 if not await self._secret_exists(ns, secret):
@@ -397,14 +395,11 @@ class Controller:
     async def _secret_exists(self, ns: str, name: str) -> bool:
         """Whether Secret ``name`` exists, without the right to read Secrets: a server-side dry-run create
         answers 409 AlreadyExists for an existing name and stores nothing otherwise (docs/security.md)."""
-        if (ns, name) in self.known_secrets:
-            return True
         probe = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque"}
         try:
             await self.client.create(SECRET, probe, namespace=ns, dry_run=True)
         except KubeError as exc:
             if exc.conflict:
-                self.known_secrets.add((ns, name))
                 return True
             raise
         return False
@@ -554,6 +549,12 @@ class Controller:
 
     def _record_changes(self, body: Manifest, pdd: PDDeployment, before: dict[Role, Manifest | None], *,
                         old_rev: str | None, new_rev: str) -> None:
+        meta = body["metadata"]
+        for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
+            desired = ((pdd.spec.router.replicas if pdd.spec.router.enabled else 0) if role == Role.ROUTER
+                       else getattr(pdd.spec, role.value).replicas)
+            metrics.ROLE_REPLICAS.labels(namespace=meta["namespace"], deployment=meta["name"],
+                                         role=role.value).set(desired)
         for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
             prev = before.get(role)
             if prev is None:
@@ -564,6 +565,8 @@ class Controller:
                 continue
             if was != now:
                 self.events.record(body, reason="Scaled", message=f"scaled {role.value} from {was} to {now}")
+                metrics.SCALE_EVENTS.labels(namespace=body["metadata"]["namespace"], deployment=body["metadata"]["name"],
+                                            role=role.value, direction="up" if now > was else "down").inc()
         if old_rev and old_rev != new_rev:
             self.events.record(body, reason="RolloutStarted",
                                message=f"rolling out revision {new_rev} (was {old_rev}); "
@@ -578,7 +581,8 @@ class Controller:
         ], generation=(body.get("metadata") or {}).get("generation"))
         logger.warning("refused by pool policy kind=%s namespace=%s name=%s violations=%r", key[0], key[1], key[2],
                        message)
-        was = next((c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        was: dict[str, Any] = next(
+            (c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
         if was.get("message") != message:
             self.events.record(body, reason="PolicyViolation", message=message, type=WARNING)
         await self._write_status(key, rk, body, status)

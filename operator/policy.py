@@ -83,16 +83,16 @@ class PoolPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     allowed_ssd_roots: tuple[str, ...] = Field(
-        ("/var/lib/daybreak", "/mnt"),
+        default=("/var/lib/daybreak", "/mnt"),
         description="host directories an SSD tier's path must be (or lie under); '/' is refused")
     allowed_agent_images: tuple[str, ...] = Field(
-        (), description="images a pool may name in spec.agent.image (an entry ending in '/', ':' or '@' is a "
+        default=(), description="images a pool may name in spec.agent.image (an entry ending in '/', ':' or '@' is a "
                         "prefix); empty: pools always run the operator's agent image")
     allowed_toleration_keys: tuple[str, ...] = Field(
-        ("daybreak.dev/dedicated", "nvidia.com/gpu"),
+        default=("daybreak.dev/dedicated", "nvidia.com/gpu"),
         description="taint keys a pool's tolerations may name; '*' also allows key-less tolerations, which "
                     "match every taint (control-plane nodes included)")
-    agent_priority_class_name: str = Field("", description="priorityClassName of every agent pod (admin-chosen: "
+    agent_priority_class_name: str = Field(default="", description="priorityClassName of every agent pod (admin-chosen: "
                                                            "pools have no such field); empty: none")
 
     @field_validator("allowed_ssd_roots")

@@ -48,7 +48,7 @@ class OperatorSettings(BaseModel):
     # -- pool policy (docs/security.md) ---------------------------------------------------------
     policy_dir: str | None = Field(None, description="the chart's pool-policy ConfigMap mounted as a directory; "
                                                      "unset: the built-in defaults (the chart's defaults)")
-    pool_policy: PoolPolicy = Field(default_factory=PoolPolicy,
+    pool_policy: PoolPolicy = Field(default_factory=lambda: PoolPolicy(),
                                     description="loaded from policy_dir; what pools may ask for")
 
     # -- observability ----------------------------------------------------------------------
