@@ -461,13 +461,14 @@ class Controller:
 
     async def sweep_agent_binding(self, live_pools: set[tuple[str, str]]) -> None:
         """Drop the subjects of pools that are gone (a binding subject cannot carry an owner reference)."""
-        live = {pool_mod.agent_subject(ns, pool_mod.PoolNames(p, ns).service_account) for ns, p in live_pools}
+        live = {pool_mod.subject_key(pool_mod.agent_subject(ns, pool_mod.PoolNames(p, ns).service_account))
+                for ns, p in live_pools}
 
         def keep(subject: dict[str, Any]) -> bool:
             ours = (subject.get("kind") == "ServiceAccount"
                     and str(subject.get("name", "")).endswith(pool_mod.AGENT_SA_SUFFIX)
                     and self._in_scope(str(subject.get("namespace", ""))))
-            return not ours or subject in live
+            return not ours or pool_mod.subject_key(subject) in live
 
         await self._edit_agent_binding(lambda old: [s for s in old if keep(s)])
 
@@ -609,6 +610,8 @@ class Controller:
                 await self.resync()
             except (KubeError, NotLeader) as exc:
                 logger.warning("resync failed error=%s", exc)
+            except Exception:  # a bug must not end the re-sync for the rest of the term
+                logger.exception("resync crashed; retrying at the next period")
 
     async def _refresh_children(self, scopes: tuple[str | None, ...]) -> None:
         """Replace the cached Deployments/DaemonSets with a LIST: a watch event lost in a reconnect must not

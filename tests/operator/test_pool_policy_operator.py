@@ -75,3 +75,39 @@ def test_a_pool_the_operators_policy_refuses_gets_a_condition_and_no_children(ku
     finally:
         op.stop()
         kube.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def test_the_shared_agent_binding_follows_the_live_pools(kube: LocalCluster, tmp_path: Path) -> None:
+    """Subjects of pools that vanished while no operator ran are swept; subjects that are not ours stay."""
+    ns = "binding-op"
+    kube.kubectl("apply", "-f", str(ROOT / "crds"))
+    kube.kubectl("create", "namespace", ns, check=False)
+    ghost = {"kind": "ServiceAccount", "name": "ghost-daybreak-agent", "namespace": ns}
+    elsewhere = {"kind": "ServiceAccount", "name": "x-daybreak-agent", "namespace": "not-watched"}
+    human = {"kind": "User", "name": "bob", "apiGroup": "rbac.authorization.k8s.io"}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "daybreak-agents"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "daybreak-agent"},
+               "subjects": [ghost, elsewhere, human]}
+    kube.kubectl("apply", "-f", "-", stdin=json.dumps(binding))
+    pool = yaml.safe_load((ROOT / "examples" / "kvpool-minimal.yaml").read_text())
+    kube.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(pool))
+    op = OperatorProcess(kubeconfig=kube.kubeconfig, log_path=tmp_path / "operator.log", namespace=ns,
+                         identity="binding", lease_namespace=ns, resync_seconds=2.0)
+    op.start()
+    live = {"kind": "ServiceAccount", "name": "kv-minimal-daybreak-agent", "namespace": ns}
+
+    def subjects() -> list[dict[str, Any]]:
+        out = kube.kubectl("get", "clusterrolebinding", "daybreak-agents", "-o", "json")
+        return list(json.loads(out.stdout).get("subjects") or [])
+
+    try:
+        _wait("ghost swept and live pool bound", lambda: ghost not in subjects() and live in subjects(), op)
+        assert elsewhere in subjects() and human in subjects()  # outside the operator's scope, or not an agent
+        kube.kubectl("delete", "kvp", "-n", ns, "kv-minimal")
+        _wait("deleted pool unbound", lambda: live not in subjects(), op)
+        assert "resync crashed" not in op.log()
+    finally:
+        op.stop()
+        kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        kube.kubectl("delete", "clusterrolebinding", "daybreak-agents", check=False)
