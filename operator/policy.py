@@ -5,8 +5,9 @@ agent DaemonSet is host-networked and mounts host paths, so every field of the
 pool that reaches it (image, SSD path, tolerations) is checked against this
 policy. The same rules run in three places, on purpose:
 
-- at admission, as the chart's ValidatingAdmissionPolicy ``daybreak-pool-policy``
-  (the API server refuses the KVPool and names the field);
+- at admission, as the chart's ValidatingAdmissionPolicies ``daybreak-pool-policy``
+  and ``daybreak-deployment-policy`` (the API server refuses the KVPool or the
+  PDDeployment's pod template and names the field);
 - in the operator's builders (this module), which refuse to build and set a
   ``PolicyViolation`` condition naming the field: a pool admitted before the
   policy was tightened, or a cluster without the chart's admission policies,

@@ -62,14 +62,15 @@ def test_chart_lints_and_renders_two_replicas_with_leader_election() -> None:
                      "resourceNames": ["daybreak-agent"]}]
     assert not [r for r in roles["dbk-daybreak-operator"]["rules"] if {"bind", "escalate"} & set(r["verbs"])]
     policies = {p["metadata"]["name"] for p in by_kind["ValidatingAdmissionPolicy"]}
-    assert policies == {"daybreak-agent-own-node", "daybreak-pool-policy", "daybreak-operator-writes"}
+    assert policies == {"daybreak-agent-own-node", "daybreak-pool-policy", "daybreak-deployment-policy",
+                        "daybreak-operator-writes"}
     assert by_kind["PodDisruptionBudget"][0]["spec"]["minAvailable"] == 1
     namespaced = render("--set", f"operator.watchNamespaces={{{WATCHED_NS}}}", "--set",
                         "agentAdmissionPolicy.enabled=false")
     args = next(d for d in namespaced if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--namespace={WATCHED_NS}" in args
     assert {p["metadata"]["name"] for p in namespaced if p["kind"] == "ValidatingAdmissionPolicy"} == {
-        "daybreak-pool-policy", "daybreak-operator-writes"}
+        "daybreak-pool-policy", "daybreak-deployment-policy", "daybreak-operator-writes"}
     # Confined: the namespaced rights are a RoleBinding in the watched namespace, not a cluster binding.
     bindings = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in namespaced
                 if d["kind"] in ("RoleBinding", "ClusterRoleBinding")}

@@ -32,7 +32,7 @@ kind: Role
 metadata: {{name: kvpool-editor, namespace: {POOL_NS}}}
 rules:
   - apiGroups: [daybreak.dev]
-    resources: [kvpools]
+    resources: [kvpools, pddeployments]
     verbs: [get, list, create, update, patch]
 ---
 apiVersion: rbac.authorization.k8s.io/v1
@@ -57,6 +57,13 @@ def _pool(name: str, **spec: Any) -> dict[str, Any]:
     return body
 
 
+def _pdd(name: str, decode_template: dict[str, Any]) -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "examples" / "pddeployment-sim.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": POOL_NS}
+    body["spec"]["decode"]["template"] = decode_template
+    return dict(body)
+
+
 @pytest.fixture(scope="module")
 def installed(kube: LocalCluster, render_text: Callable[..., str]) -> Iterator[str]:
     kube.kubectl("apply", "-f", str(ROOT / "crds"))
@@ -67,13 +74,15 @@ def installed(kube: LocalCluster, render_text: Callable[..., str]) -> Iterator[s
     kube.kubectl("apply", "-f", "-", stdin=TENANT_RBAC)
     # Admission policies take effect once the API server's informers have them and their parameter.
     deadline = time.monotonic() + 60
-    probe = json.dumps(_pool("probe", tiers={"ssd": {"path": "/etc", "bytesPerNode": "1Gi"}}))
-    while True:
-        out = kube.kubectl("create", "--dry-run=server", "-f", "-", stdin=probe, check=False)
-        if "daybreak-pool-policy" in out.stderr:
-            break
-        assert time.monotonic() < deadline, f"the pool policy never took effect: {out.stdout}{out.stderr}"
-        time.sleep(0.5)
+    probes = {"daybreak-pool-policy": _pool("probe", tiers={"ssd": {"path": "/etc", "bytesPerNode": "1Gi"}}),
+              "daybreak-deployment-policy": _pdd("probe", {"spec": {"hostPID": True}})}
+    for policy, probe in probes.items():
+        while True:
+            out = kube.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(probe), check=False)
+            if policy in out.stderr:
+                break
+            assert time.monotonic() < deadline, f"{policy} never took effect: {out.stdout}{out.stderr}"
+            time.sleep(0.5)
     try:
         yield text
     finally:
@@ -115,6 +124,31 @@ def test_tenant_kvpool_within_the_policy_is_admitted_and_cannot_be_changed_to_es
     patch = json.dumps({"spec": {"tiers": {"ssd": {"path": "/root"}}}})
     out = _as_tenant(kube, "patch", "kvp", "good", "--type=merge", "-p", patch)
     assert out.returncode != 0 and "spec.tiers.ssd.path: host path '/root'" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("name", "spec", "field"), [
+    ("hostpid", {"hostPID": True}, "spec.decode.template.spec:"),
+    ("root", {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}, "spec.decode.template.spec.volumes:"),
+    ("privileged", {"containers": [{"name": "engine", "securityContext": {"privileged": True}}]},
+     "spec.decode.template.spec.containers:"),
+    ("sysadmin", {"containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]},
+     "spec.decode.template.spec.containers:"),
+    ("agent-sa", {"serviceAccountName": "kv-minimal-daybreak-agent"},
+     "spec.decode.template.spec.serviceAccountName:"),
+])
+def test_tenant_pddeployment_template_reaching_the_host_is_refused_at_admission(
+        kube: LocalCluster, installed: str, name: str, spec: dict[str, Any], field: str) -> None:
+    out = _as_tenant(kube, "create", "-f", "-", stdin=json.dumps(_pdd(f"bad-{name}", {"spec": spec})))
+    assert out.returncode != 0, f"admitted: {out.stdout}"
+    assert "daybreak-deployment-policy" in out.stderr and field in out.stderr, out.stderr
+
+
+def test_tenant_pddeployment_with_a_harmless_template_is_admitted(kube: LocalCluster, installed: str) -> None:
+    template = {"spec": {"tolerations": [{"operator": "Exists"}],
+                         "volumes": [{"name": "shm", "hostPath": {"path": "/dev/shm"}}],
+                         "containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}]}}
+    out = _as_tenant(kube, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(_pdd("fine", template)))
+    assert out.returncode == 0, out.stderr
 
 
 # -- the operator's RBAC ----------------------------------------------------------------------------------
