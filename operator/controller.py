@@ -18,6 +18,7 @@ recognised by their resourceVersion, so they trigger nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -198,6 +199,9 @@ class Controller:
             for cache in (self.generations, self.own_status_rv, self.last_reconciled):
                 cache.pop(key, None)
             self.applied.discard(key)
+            for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):  # no stale series for a deleted deployment
+                with contextlib.suppress(KeyError):
+                    metrics.ROLE_REPLICAS.remove(ns, name, role.value)
             return  # the garbage collector removes the children (owner references)
         self.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
         self.pdds[(ns, name)] = obj

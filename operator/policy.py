@@ -51,7 +51,7 @@ AGENT_HOST_PATHS = frozenset({"/sys", "/dev/shm", "/dev/hugepages", "/dev/infini
 ENGINE_HOST_PATHS = frozenset({"/dev/shm", "/dev/hugepages", "/dev/infiniband"})
 # Capabilities an engine may add (verbs registration pins memory); agents get theirs from the builder.
 ENGINE_CAPABILITIES = frozenset({"IPC_LOCK"})
-AGENT_SA_SUFFIX = "-daybreak-agent"
+AGENT_SA_SUFFIX = "-daybreak-agent"  # every agent ServiceAccount's name ends so; the chart's policies match it
 
 
 @dataclass(frozen=True)

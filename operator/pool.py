@@ -40,13 +40,11 @@ from daybreak.api.kvpool import KVPool, Transport
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import AGENT_SA_SUFFIX as _SA_SUFFIX
-from daybreak.operator.policy import PolicyError, PoolPolicy, pool_violations
+from daybreak.operator.policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
 
 AGENT_APP = "daybreak-agent"
 AGENT_COMPONENT = "agent"
 AGENT_CLUSTERROLE = "daybreak-agent"
-AGENT_SA_SUFFIX = _SA_SUFFIX.lstrip("-")  # the chart's admission policies recognise agents by it
 AGENT_BINDING = "daybreak-agents"  # the chart's ClusterRoleBinding; the operator edits only its subjects
 AGENT_UID = 65532  # the image's non-root user
 TOKEN_KEY = "token"
@@ -72,7 +70,7 @@ class PoolNames:
     @property
     def service_account(self) -> str:
         """Ends in -daybreak-agent: the chart's admission policy recognises agents by this suffix."""
-        return dns_name(self.pool, AGENT_SA_SUFFIX, limit=253)
+        return dns_name(self.pool, AGENT_SA_SUFFIX.removeprefix("-"), limit=253)
 
     @property
     def config(self) -> str:
