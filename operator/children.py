@@ -161,14 +161,14 @@ class Applier:
         return results
 
     async def create_once(self, parent: Manifest, manifest: Manifest, *, labels: dict[str, str]) -> Manifest:
-        """Create ``manifest`` if absent and never modify it afterwards (generated secrets must not rotate)."""
+        """Create ``manifest`` if absent and never modify it afterwards (generated secrets must not rotate).
+
+        A plain POST, no GET first: the operator may create Secrets but not read them, so an existing one
+        (409) is left as it is and the desired manifest is returned in its place."""
         self.check_leader()
         kind = kind_of(manifest)
         meta = manifest["metadata"]
         namespace = meta.get("namespace") or parent["metadata"]["namespace"]
-        existing = await self.client.get_or_none(kind, meta["name"], namespace=namespace)
-        if existing is not None:
-            return existing
         body = copy.deepcopy(manifest)
         body.setdefault("apiVersion", kind.api_version)
         body["metadata"] = {**meta, "namespace": namespace, "labels": {**(meta.get("labels") or {}), **labels},
@@ -176,8 +176,8 @@ class Applier:
         try:
             created = await self.client.create(kind, body, namespace=namespace)
         except KubeError as exc:
-            if exc.conflict:  # created concurrently (a previous leader): keep theirs
-                return await self.client.get(kind, meta["name"], namespace=namespace)
+            if exc.conflict:  # exists (created earlier, or by a previous leader): keep it, never read it
+                return body
             raise
         metrics.CHILDREN_APPLIED.labels(kind=kind.kind, outcome="created").inc()
         self.events.record(parent, reason="Created", message=f"created {kind.kind} {meta['name']}")

@@ -18,6 +18,7 @@ recognised by their resourceVersion, so they trigger nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from daybreak.operator.kube import (
     KubeError,
     Manifest,
 )
+from daybreak.operator.policy import PolicyError, pool_violations
 from daybreak.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,9 @@ class Controller:
         self.generations: dict[Key, int] = {}
         self.pool_of: dict[tuple[str, str], str] = {}  # (ns, pdd) -> pool
         self.last_reconciled: dict[Key, float] = {}  # monotonic time of the last successful full reconcile
+        # Subjects of the shared agent ClusterRoleBinding known to be there; one writer at a time.
+        self.bound_agents: set[tuple[str, str]] = set()
+        self._binding_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -157,7 +162,7 @@ class Controller:
 
     # -- event intake (synchronous, cheap: the watch must never wait) ----------------------------
     def _in_scope(self, namespace: str) -> bool:
-        return self.settings.namespace is None or namespace == self.settings.namespace
+        return not self.settings.namespaces or namespace in self.settings.namespaces
 
     def on_pool_event(self, type_: str | None, obj: Manifest) -> None:
         meta = obj.get("metadata") or {}
@@ -194,6 +199,9 @@ class Controller:
             for cache in (self.generations, self.own_status_rv, self.last_reconciled):
                 cache.pop(key, None)
             self.applied.discard(key)
+            for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):  # no stale series for a deleted deployment
+                with contextlib.suppress(KeyError):
+                    metrics.ROLE_REPLICAS.remove(ns, name, role.value)
             return  # the garbage collector removes the children (owner references)
         self.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
         self.pdds[(ns, name)] = obj
@@ -318,7 +326,7 @@ class Controller:
         key: Key = (POOL, ns, name)
         body = await self.client.get_or_none(KVPOOL, name, namespace=ns)
         if body is None:
-            await self._delete_cluster_binding(ns, name)
+            await self._unbind_agent(ns, pool_mod.PoolNames(name, ns).service_account)
             self.applied.discard(key)
             return "gone"
         self.pools[(ns, name)] = body
@@ -327,24 +335,31 @@ class Controller:
         except ValidationError as exc:
             await self._invalid(key, KVPOOL, body, exc)
             return "invalid"
+        violations = pool_violations(pool, self.settings.pool_policy)
+        if violations:
+            # Nothing is applied: what exists keeps running (no data loss) until the pool is fixed.
+            await self._refuse(key, KVPOOL, body, PolicyError(violations))
+            return "refused"
         generation = body["metadata"].get("generation")
         problems: list[Condition] = []
         if full:
-            desired = pool_mod.build(pool, image=self.settings.image, metrics_port=self.settings.agent_metrics_port)
+            desired = pool_mod.build(pool, image=self.settings.image, metrics_port=self.settings.agent_metrics_port,
+                                     policy=self.settings.pool_policy)
             labels = pool_mod.labels_for(pool)
             if desired.token_secret is not None:
+                # A POST per full reconcile (409 once it exists): the operator cannot watch Secrets, and a
+                # deleted token must come back (that is how a pool's token is rotated).
                 await self.applier.create_once(body, desired.token_secret, labels=labels)
             else:
                 secret = pool_mod.token_secret_name(pool)
-                if await self.client.get_or_none(SECRET, secret, namespace=ns) is None:
+                if not await self._secret_exists(ns, secret):
                     problems.append(Condition(type="Ready", status=FALSE, reason="SecretNotFound",
                         message=f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
                                 f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
             for result in await self.applier.apply_all(body, [(m, labels) for m in desired.applied]):
                 if result.obj.get("kind") == "DaemonSet":
                     self.children[("DaemonSet", ns, result.obj["metadata"]["name"])] = _slim(result.obj)
-            if desired.cluster_binding is not None:
-                await self.applier.apply(None, desired.cluster_binding, labels={}, owned=False)
+            await self._bind_agent(ns, pool_mod.PoolNames(name, ns).service_account)
             self.applied.add(key)
             self.last_reconciled[key] = time.monotonic()
         names = pool_mod.PoolNames(name, ns)
@@ -380,24 +395,85 @@ class Controller:
         reports = (pool_mod.AgentReport.from_kvnode(k) for k in kvnodes)
         return [r for r in reports if r is not None and r.node in nodes]
 
-    async def _delete_cluster_binding(self, ns: str, pool: str) -> None:
-        self.applier.check_leader()
-        if await self.client.delete(CLUSTERROLEBINDING, pool_mod.PoolNames(pool, ns).cluster_binding):
-            logger.info("deleted agent ClusterRoleBinding of vanished pool namespace=%s pool=%s", ns, pool)
+    async def _secret_exists(self, ns: str, name: str) -> bool:
+        """Whether Secret ``name`` exists, without the right to read Secrets: a server-side dry-run create
+        answers 409 AlreadyExists for an existing name and stores nothing otherwise (docs/security.md)."""
+        probe = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque"}
+        try:
+            await self.client.create(SECRET, probe, namespace=ns, dry_run=True)
+        except KubeError as exc:
+            if exc.conflict:
+                return True
+            raise
+        return False
 
-    async def sweep_cluster_bindings(self, live_pools: set[tuple[str, str]]) -> None:
-        """Delete agent ClusterRoleBindings whose pool is gone (they cannot carry an owner reference)."""
-        bindings = await self.client.list(CLUSTERROLEBINDING,
-                                          label_selector=f"{MANAGED_BY}={MANAGER},app.kubernetes.io/name="
-                                                         f"{pool_mod.AGENT_APP}")
-        for b in bindings:
-            ref = ((b.get("metadata") or {}).get("annotations") or {}).get("daybreak.dev/pool", "")
-            ns, _, pool = ref.partition("/")
-            if not pool or not self._in_scope(ns) or (ns, pool) in live_pools:
-                continue
-            self.applier.check_leader()
-            await self.client.delete(CLUSTERROLEBINDING, b["metadata"]["name"])
-            logger.info("swept agent ClusterRoleBinding name=%s pool=%s", b["metadata"]["name"], ref)
+    # -- the shared agent ClusterRoleBinding -----------------------------------------------------
+    # Agents need Node and KVNode rights (cluster-scoped). Instead of one ClusterRoleBinding per pool, which
+    # would need create and delete on every ClusterRoleBinding (cluster-admin's included), the chart ships
+    # one, daybreak-agents, and the operator only edits its subjects: get/update by resourceName.
+    async def _edit_agent_binding(self, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+        async with self._binding_lock:
+            for _ in range(5):
+                self.applier.check_leader()
+                binding = await self.client.get_or_none(CLUSTERROLEBINDING, pool_mod.AGENT_BINDING)
+                if binding is None:
+                    binding = pool_mod.agent_binding([])
+                    subjects = change([])
+                    binding["subjects"] = subjects
+                    try:
+                        await self.client.create(CLUSTERROLEBINDING, binding)
+                    except KubeError as exc:
+                        if exc.conflict:
+                            continue
+                        raise
+                else:
+                    old = list(binding.get("subjects") or [])
+                    subjects = change(old)
+                    if subjects == old:
+                        self._remember_bound(subjects)
+                        return
+                    binding["subjects"] = subjects
+                    try:
+                        await self.client.replace(CLUSTERROLEBINDING, binding)  # resourceVersion: no lost update
+                    except KubeError as exc:
+                        if exc.conflict:
+                            continue
+                        raise
+                self._remember_bound(subjects)
+                return
+            raise KubeError(status=409, reason="Conflict", message="the agent ClusterRoleBinding kept changing",
+                            method="PUT", path=pool_mod.AGENT_BINDING)
+
+    def _remember_bound(self, subjects: list[dict[str, Any]]) -> None:
+        self.bound_agents = {(str(s.get("namespace")), str(s.get("name"))) for s in subjects
+                             if s.get("kind") == "ServiceAccount"}
+
+    async def _bind_agent(self, ns: str, service_account: str) -> None:
+        if (ns, service_account) in self.bound_agents:
+            return
+        subject = pool_mod.agent_subject(ns, service_account)
+        await self._edit_agent_binding(lambda old: sorted([*[s for s in old if s != subject], subject],
+                                                          key=pool_mod.subject_key))
+        logger.info("bound agent ServiceAccount namespace=%s name=%s binding=%s", ns, service_account,
+                    pool_mod.AGENT_BINDING)
+
+    async def _unbind_agent(self, ns: str, service_account: str) -> None:
+        subject = pool_mod.agent_subject(ns, service_account)
+        await self._edit_agent_binding(lambda old: [s for s in old if s != subject])
+        self.bound_agents.discard((ns, service_account))
+
+    async def sweep_agent_binding(self, live_pools: set[tuple[str, str]]) -> None:
+        """Drop the subjects of pools that are gone (a binding subject cannot carry an owner reference)."""
+        live = {pool_mod.subject_key(pool_mod.agent_subject(ns, pool_mod.PoolNames(p, ns).service_account))
+                for ns, p in live_pools}
+
+        def keep(subject: dict[str, Any]) -> bool:
+            ours = (subject.get("kind") == "ServiceAccount"
+                    and str(subject.get("name", "")).endswith(pool_mod.AGENT_SA_SUFFIX)
+                    and self._in_scope(str(subject.get("namespace", ""))))
+            return not ours or pool_mod.subject_key(subject) in live
+
+        await self._edit_agent_binding(lambda old: [s for s in old if keep(s)])
 
     # -- PDDeployment ------------------------------------------------------------------------------
     async def reconcile_pdd(self, ns: str, name: str, *, full: bool) -> str:
@@ -441,7 +517,11 @@ class Controller:
         roles = (*pdd_mod.ENGINE_ROLES, Role.ROUTER)
         rev = old_status.get("revision")
         if full:
-            desired = pdd_mod.build(pdd, pool, image=self.settings.image)
+            try:
+                desired = pdd_mod.build(pdd, pool, image=self.settings.image)
+            except PolicyError as exc:
+                await self._refuse(key, PDDEPLOYMENT, body, exc)
+                return "refused"
             before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
             results = await self.applier.apply_all(
                 body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
@@ -473,6 +553,12 @@ class Controller:
 
     def _record_changes(self, body: Manifest, pdd: PDDeployment, before: dict[Role, Manifest | None], *,
                         old_rev: str | None, new_rev: str) -> None:
+        meta = body["metadata"]
+        for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
+            desired = ((pdd.spec.router.replicas if pdd.spec.router.enabled else 0) if role == Role.ROUTER
+                       else getattr(pdd.spec, role.value).replicas)
+            metrics.ROLE_REPLICAS.labels(namespace=meta["namespace"], deployment=meta["name"],
+                                         role=role.value).set(desired)
         for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
             prev = before.get(role)
             if prev is None:
@@ -483,10 +569,27 @@ class Controller:
                 continue
             if was != now:
                 self.events.record(body, reason="Scaled", message=f"scaled {role.value} from {was} to {now}")
+                metrics.SCALE_EVENTS.labels(namespace=body["metadata"]["namespace"], deployment=body["metadata"]["name"],
+                                            role=role.value, direction="up" if now > was else "down").inc()
         if old_rev and old_rev != new_rev:
             self.events.record(body, reason="RolloutStarted",
                                message=f"rolling out revision {new_rev} (was {old_rev}); "
                                        f"kvNamespace {pdd.spec.kv_namespace()}")
+
+    async def _refuse(self, key: Key, rk: Any, body: Manifest, exc: PolicyError) -> None:
+        """The object asks for more than the pool policy allows: say which field, apply nothing."""
+        message = str(exc)[:1000]
+        status = dict(body.get("status") or {})
+        status["conditions"] = merge(status.get("conditions"), [
+            Condition(type="Ready", status=FALSE, reason="PolicyViolation", message=message),
+        ], generation=(body.get("metadata") or {}).get("generation"))
+        logger.warning("refused by pool policy kind=%s namespace=%s name=%s violations=%r", key[0], key[1], key[2],
+                       message)
+        was: dict[str, Any] = next(
+            (c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        if was.get("message") != message:
+            self.events.record(body, reason="PolicyViolation", message=message, type=WARNING)
+        await self._write_status(key, rk, body, status)
 
     async def _invalid(self, key: Key, rk: Any, body: Manifest, exc: ValidationError) -> None:
         errors = exc.errors()
@@ -510,12 +613,16 @@ class Controller:
                 await self.resync()
             except (KubeError, NotLeader) as exc:
                 logger.warning("resync failed error=%s", exc)
+            except Exception:  # a bug must not end the re-sync for the rest of the term
+                logger.exception("resync crashed; retrying at the next period")
 
-    async def _refresh_children(self, ns: str | None) -> None:
+    async def _refresh_children(self, scopes: tuple[str | None, ...]) -> None:
         """Replace the cached Deployments/DaemonSets with a LIST: a watch event lost in a reconnect must not
         leave a deleted child in the cache (the applier skips children the cache says are untouched)."""
         for rk in (DEPLOYMENT, DAEMONSET):
-            items = await self.client.list(rk, namespace=ns, label_selector=f"{MANAGED_BY}={MANAGER}")
+            items = []
+            for ns in scopes:
+                items += await self.client.list(rk, namespace=ns, label_selector=f"{MANAGED_BY}={MANAGER}")
             fresh = {}
             for item in items:
                 item.setdefault("apiVersion", rk.api_version)
@@ -528,11 +635,13 @@ class Controller:
             self.children.update(fresh)
 
     async def resync(self) -> None:
-        """Queue a full reconcile of every object in scope and sweep orphaned cluster bindings."""
-        ns = self.settings.namespace
+        """Queue a full reconcile of every object in scope and sweep the agent binding's stale subjects."""
+        scopes: tuple[str | None, ...] = self.settings.namespaces or (None,)
         try:
-            pools = await self.client.list(KVPOOL, namespace=ns)
-            pdds = await self.client.list(PDDEPLOYMENT, namespace=ns)
+            pools, pdds = [], []
+            for ns in scopes:
+                pools += await self.client.list(KVPOOL, namespace=ns)
+                pdds += await self.client.list(PDDEPLOYMENT, namespace=ns)
         except KubeError:
             # Still re-assert what we know: each key then retries on its own back-off until the apiserver is back.
             known: list[Key] = [(POOL, n, p) for n, p in self.pools] + [(PDD, n, d) for n, d in self.pool_of]
@@ -541,7 +650,7 @@ class Controller:
                     self.needs_apply.add(known_key)
                     self.queue.add(known_key)
             raise
-        await self._refresh_children(ns)
+        await self._refresh_children(scopes)
         live: set[tuple[str, str]] = set()
         for kind, items in ((POOL, pools), (PDD, pdds)):
             for obj in items:
@@ -555,5 +664,5 @@ class Controller:
                     self.pdds[(meta["namespace"], meta["name"])] = obj  # fresh from the LIST
                 self.needs_apply.add(key)
                 self.queue.add(key)
-        await self.sweep_cluster_bindings(live)
+        await self.sweep_agent_binding(live)
         logger.debug("resync queued pools=%d pddeployments=%d", len(pools), len(pdds))

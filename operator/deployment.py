@@ -26,6 +26,7 @@ from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
+from daybreak.operator.policy import PolicyError, engine_pod_violations
 from daybreak.operator.pool import TOKEN_KEY, PoolNames, token_secret_name
 
 ENGINE_APP = "daybreak-engine"
@@ -216,8 +217,13 @@ def _service(pdd: PDDeployment, role: Role, name: str, *, headless: bool) -> Man
 
 
 def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
+    """The desired children; raises PolicyError when a role's template asks for host access (docs/security.md)."""
     names = DeploymentNames(pdd.metadata.name or "")
     templates = {role: pod_template(pdd, pool, role, image=image) for role in ENGINE_ROLES}
+    violations = [v for role in ENGINE_ROLES
+                  for v in engine_pod_violations(templates[role]["spec"], where=f"spec.{role.value}.template.spec")]
+    if violations:
+        raise PolicyError(violations)
     rev = revision([templates[r] for r in ENGINE_ROLES])
     applied: list[tuple[Role, Manifest]] = []
     for role in ENGINE_ROLES:

@@ -238,9 +238,11 @@ class KubeClient:
                                     query={"labelSelector": label_selector, "fieldSelector": field_selector})
         return list(result.get("items") or [])
 
-    async def create(self, kind: ResourceKind, manifest: Manifest, *, namespace: str | None = None) -> Manifest:
+    async def create(self, kind: ResourceKind, manifest: Manifest, *, namespace: str | None = None,
+                     dry_run: bool = False) -> Manifest:
+        """POST; ``dry_run`` runs validation and admission and stores nothing (an existing name still gives 409)."""
         return dict(await self.request("POST", kind.path(namespace=namespace), body=manifest,
-                                       query={"fieldManager": FIELD_MANAGER}))
+                                       query={"fieldManager": FIELD_MANAGER, "dryRun": "All" if dry_run else None}))
 
     async def replace(self, kind: ResourceKind, manifest: Manifest, *, namespace: str | None = None) -> Manifest:
         name = manifest["metadata"]["name"]

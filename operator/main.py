@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster ServiceAccount, else "
                                              "$KUBECONFIG or ~/.kube/config)")
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", help="watch only this namespace")
+    scope.add_argument("--namespace", "-n", help="watch only this namespace (comma-separated for several)")
     scope.add_argument("--all-namespaces", "-A", action="store_true", default=None,
                        help="watch every namespace (the default)")
     parser.add_argument("--metrics-port", type=int, help="port of /metrics (default 8080; 0 disables)")
@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between level-based re-applies of every object (default 30)")
     parser.add_argument("--workers", type=int, help="objects reconciled concurrently (default 8)")
     parser.add_argument("--image", help="image for agents, routers and sim engines when a resource names none")
+    parser.add_argument("--policy-dir", help="directory holding the pool policy (the chart's ConfigMap, one file "
+                                             "per key); default: the built-in policy (docs/security.md)")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
 
 
@@ -65,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "settings"
         print(f"daybreak operator: invalid {field}: {first['msg']}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # the policy directory is missing or unreadable
+        print(f"daybreak operator: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
     logger.info("starting operator %s", settings.describe())
@@ -89,7 +94,7 @@ def _lease_namespace(settings: OperatorSettings, creds: Credentials) -> str:
         return settings.lease_namespace
     if creds.in_cluster and creds.default_namespace:
         return creds.default_namespace
-    return settings.namespace or creds.default_namespace or "default"
+    return (settings.namespaces or (None,))[0] or creds.default_namespace or "default"
 
 
 async def operate(settings: OperatorSettings) -> int:
@@ -171,7 +176,7 @@ async def lead(settings: OperatorSettings, client: KubeClient, creds: Credential
     existing = {t for t in asyncio.all_tasks()}
     kopf_tasks = await kopf.spawn_tasks(
         registry=controller.registry(creds), settings=kopf_settings, stop_flag=stop_flag,
-        clusterwide=settings.clusterwide, namespaces=[settings.namespace] if settings.namespace else [],
+        clusterwide=settings.clusterwide, namespaces=list(settings.namespaces),
         standalone=True,
     )
     _install_signals(shutdown)  # kopf replaced our handlers with its own; ours decide

@@ -65,6 +65,16 @@ QUEUE_DEPTH = Gauge(
     "Objects waiting to be reconciled.",
     registry=REGISTRY,
 )
+ROLE_REPLICAS = Gauge(
+    "daybreak_operator_role_replicas",
+    "Replicas the operator applied to a PDDeployment's role (prefill, decode, router).",
+    ["namespace", "deployment", "role"], registry=REGISTRY,
+)
+SCALE_EVENTS = Counter(
+    "daybreak_operator_scale_events_total",
+    "Replica changes applied to a role, by direction (up, down): the planner's decisions as carried out.",
+    ["namespace", "deployment", "role", "direction"], registry=REGISTRY,
+)
 
 
 def serve(port: int, *, address: str = "0.0.0.0") -> None:

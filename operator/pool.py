@@ -4,17 +4,26 @@ Pure functions of the pool and the observed children: no I/O here, so the
 shape of every child is unit-testable and the reconciler stays a loop of
 "build, apply, observe".
 
-Agent privileges, and why each is needed (nothing else is granted):
+Agent privileges, and why each is needed (nothing else is granted; docs/security.md):
 - host ``/sys`` read-only at ``/host/sys``: topology discovery (PCI, NUMA, RDMA devices);
 - host ``/dev/shm``: the DRAM tier lives in shared-memory segments there, so a
   restarted agent re-adopts them and same-node engines map them (zero copy);
-- the SSD tier's host directory, when the tier is enabled;
+- the SSD tier's host directory, when the tier is enabled, and only under a
+  root the cluster admin allowed (``PoolPolicy.allowed_ssd_roots``);
+- host ``/dev/hugepages`` when the DRAM tier uses huge pages;
 - host ``/dev/infiniband`` when rdma is an allowed transport (verbs devices);
-- ``IPC_LOCK``: pinning registered memory; with it the kernel ignores
-  RLIMIT_MEMLOCK for mlock and verbs registration, which is how "memlock
+- ``IPC_LOCK``, with rdma only: pinning registered memory; with it the kernel
+  ignores RLIMIT_MEMLOCK for verbs registration, which is how "memlock
   unlimited" is expressed in a Pod (there is no ulimit field);
 - ``hostNetwork``: agents are reached on the node's own addresses (RDMA NICs,
   no overlay hop), as Mooncake's and NCCL's node daemons are.
+
+The agent runs as user 65532 with no capabilities and a read-only root file
+system unless its tiers need root: rdma (a capability is effective only for
+uid 0 in a container: Kubernetes has no ambient capabilities, and
+no_new_privs disables file capabilities) and huge pages (hugetlbfs is
+root-owned). The SSD directory, created root-owned by the kubelet, is handed
+to 65532 by an init container that holds only CHOWN and DAC_READ_SEARCH.
 """
 
 from __future__ import annotations
@@ -31,11 +40,13 @@ from daybreak.api.kvpool import KVPool, Transport
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
+from daybreak.operator.policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
 
 AGENT_APP = "daybreak-agent"
 AGENT_COMPONENT = "agent"
 AGENT_CLUSTERROLE = "daybreak-agent"
-AGENT_SA_SUFFIX = "daybreak-agent"  # installed by the chart (nodes: get, list, watch, patch)
+AGENT_BINDING = "daybreak-agents"  # the chart's ClusterRoleBinding; the operator edits only its subjects
+AGENT_UID = 65532  # the image's non-root user
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/daybreak"
 AGENT_CONFIG_FILE = "agent.yaml"
@@ -43,7 +54,6 @@ POOL_FILE = "pool.json"
 TOKEN_DIR = "/var/run/daybreak/token"
 HOST_SYS = "/host/sys"
 CONFIG_HASH_ANNOTATION = "daybreak.dev/config-hash"
-NAMESPACE_LABEL = "daybreak.dev/namespace"
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class PoolNames:
     @property
     def service_account(self) -> str:
         """Ends in -daybreak-agent: the chart's admission policy recognises agents by this suffix."""
-        return dns_name(self.pool, AGENT_SA_SUFFIX, limit=253)
+        return dns_name(self.pool, AGENT_SA_SUFFIX.removeprefix("-"), limit=253)
 
     @property
     def config(self) -> str:
@@ -73,10 +83,6 @@ class PoolNames:
     @property
     def generated_token(self) -> str:
         return dns_name(self.pool, "token")
-
-    @property
-    def cluster_binding(self) -> str:
-        return dns_name("daybreak-agent", self.namespace, self.pool, limit=253)
 
     def service_host(self) -> str:
         """DNS name of the headless Service: resolves to every ready agent."""
@@ -151,17 +157,46 @@ def rdma_wanted(pool: KVPool) -> bool:
     return Transport.RDMA in pool.spec.transport.preference
 
 
+def agent_needs_root(pool: KVPool) -> bool:
+    """rdma (IPC_LOCK must be effective) and huge pages (root-owned hugetlbfs) need uid 0; nothing else does."""
+    dram = pool.spec.tiers.dram
+    return rdma_wanted(pool) or bool(dram and dram.enabled and dram.huge_pages)
+
+
+def agent_subject(namespace: str, service_account: str) -> dict[str, str]:
+    return {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
+
+
+def subject_key(subject: dict[str, Any]) -> tuple[str, str, str]:
+    return (str(subject.get("kind", "")), str(subject.get("namespace", "")), str(subject.get("name", "")))
+
+
+def agent_binding(subjects: list[dict[str, Any]]) -> Manifest:
+    """The shared binding of every pool's agent ServiceAccount to the chart's daybreak-agent ClusterRole (the
+    chart ships it; the operator creates it only when run without the chart, e.g. by a developer)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": AGENT_BINDING, "labels": {"app.kubernetes.io/name": AGENT_APP,
+                                                       "app.kubernetes.io/component": AGENT_COMPONENT}},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_CLUSTERROLE},
+        "subjects": subjects,
+    }
+
+
 @dataclass
 class PoolChildren:
     """Everything a pool owns, in apply order, plus the token Secret (created once, never re-applied)."""
 
     applied: list[Manifest] = field(default_factory=list)
     token_secret: Manifest | None = None
-    cluster_binding: Manifest | None = None
 
 
-def build(pool: KVPool, *, image: str, metrics_port: int) -> PoolChildren:
-    """The desired children of ``pool``."""
+def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | None = None) -> PoolChildren:
+    """The desired children of ``pool``; raises PolicyError (naming the fields) when the policy refuses it."""
+    policy = policy or PoolPolicy()
+    violations = pool_violations(pool, policy)
+    if violations:
+        raise PolicyError(violations)
     name = pool.metadata.name or ""
     namespace = pool.metadata.namespace or ""
     names = PoolNames(name, namespace)
@@ -172,15 +207,15 @@ def build(pool: KVPool, *, image: str, metrics_port: int) -> PoolChildren:
     out = PoolChildren()
 
     out.applied.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": names.service_account}})
-    # Namespaced rights: read its own pool (endpoints = membership) and its peers. The token comes through
-    # the mount only. Per-node reports go to the cluster-scoped KVNode (the chart's ClusterRole).
+    # Namespaced rights: read its own pool, nothing else (its endpoints are the membership; the watch carries
+    # a metadata.name field selector, which is what lets list/watch honour resourceNames). The token comes
+    # through the mount only. Node and KVNode rights come from the shared binding (the chart's ClusterRole,
+    # limited to the agent's own node by the chart's admission policy).
     out.applied.append({
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": names.agent},
         "rules": [
             {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [name],
              "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         ],
     })
     out.applied.append({
@@ -202,27 +237,18 @@ def build(pool: KVPool, *, image: str, metrics_port: int) -> PoolChildren:
         },
     })
     out.applied.append(daemonset(pool, image=image, metrics_port=metrics_port, labels=labels,
-                                 config_hash=_hash(data), secret_name=secret_name))
+                                 config_hash=_hash(data), secret_name=secret_name,
+                                 priority_class=policy.agent_priority_class_name))
     if not (spec.auth and spec.auth.secret_ref):
         out.token_secret = {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name}, "type": "Opaque",
             "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
         }
-    # Nodes are cluster-scoped, so reading and labelling them needs a cluster binding; a namespaced
-    # owner cannot own it (no garbage collection): the operator sweeps bindings of vanished pools.
-    out.cluster_binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": names.cluster_binding,
-                     "labels": {**labels, NAMESPACE_LABEL: dns_name(namespace)},
-                     "annotations": {"daybreak.dev/pool": f"{namespace}/{name}"}},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_CLUSTERROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": names.service_account, "namespace": namespace}],
-    }
     return out
 
 
 def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, str], config_hash: str,
-              secret_name: str) -> Manifest:
+              secret_name: str, priority_class: str = "") -> Manifest:
     names = PoolNames(pool.metadata.name or "", pool.metadata.namespace or "")
     spec = pool.spec
     volumes: list[dict[str, Any]] = [
@@ -230,17 +256,32 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
         {"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}},
         {"name": "config", "configMap": {"name": names.config}},
         {"name": "token", "secret": {"secretName": secret_name, "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
+        # The root file system is read-only; scratch space for Python and the libraries is this.
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "host-sys", "mountPath": HOST_SYS, "readOnly": True},
         {"name": "dev-shm", "mountPath": "/dev/shm"},
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
+    root = agent_needs_root(pool)
+    init: list[dict[str, Any]] = []
     ssd = spec.tiers.ssd
     if ssd and ssd.enabled:
         volumes.append({"name": "ssd", "hostPath": {"path": ssd.path, "type": "DirectoryOrCreate"}})
         mounts.append({"name": "ssd", "mountPath": ssd.path})
+        if not root:
+            # The kubelet creates the directory root-owned; hand it (not following links) to the agent's user.
+            init.append({
+                "name": "ssd-owner", "image": spec.agent.image or image,
+                "command": ["chown", "-R", "-h", f"{AGENT_UID}:{AGENT_UID}", ssd.path],
+                "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "privileged": False,
+                                    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"add": ["CHOWN", "DAC_READ_SEARCH"], "drop": ["ALL"]}},
+                "volumeMounts": [{"name": "ssd", "mountPath": ssd.path}],
+            })
     if spec.tiers.dram and spec.tiers.dram.enabled and spec.tiers.dram.huge_pages:
         volumes.append({"name": "hugepages", "hostPath": {"path": "/dev/hugepages", "type": "Directory"}})
         mounts.append({"name": "hugepages", "mountPath": "/dev/hugepages"})
@@ -262,8 +303,8 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
         "ports": [{"name": "store", "containerPort": spec.agent.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],
         "securityContext": {
-            "privileged": False, "allowPrivilegeEscalation": False,
-            "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]},
+            "privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"add": ["IPC_LOCK"] if rdma_wanted(pool) else [], "drop": ["ALL"]},
         },
         "volumeMounts": mounts,
         "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5, "failureThreshold": 2},
@@ -280,7 +321,14 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
+        "securityContext": ({"runAsUser": 0, "runAsNonRoot": False} if root else
+                            {"runAsUser": AGENT_UID, "runAsGroup": AGENT_UID, "runAsNonRoot": True})
+        | {"seccompProfile": {"type": "RuntimeDefault"}},
     }
+    if init:
+        pod_spec["initContainers"] = init
+    if priority_class:
+        pod_spec["priorityClassName"] = priority_class
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

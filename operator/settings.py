@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from daybreak.operator.policy import PoolPolicy
 from daybreak.version import __version__
 
 ENV_PREFIX = "DAYBREAK_OPERATOR_"
@@ -22,7 +23,8 @@ class OperatorSettings(BaseModel):
                                                       "else $KUBECONFIG / ~/.kube/config")
     service_account_dir: str = Field("/var/run/secrets/kubernetes.io/serviceaccount",
                                      description="in cluster: where the ServiceAccount token, ca.crt and namespace are")
-    namespace: str | None = Field(None, description="watch only this namespace")
+    namespace: str | None = Field(None, description="watch only this namespace (comma-separated for several: the "
+                                                    "chart's operator.watchNamespaces, where its RBAC is bound)")
     all_namespaces: bool = Field(False, description="watch every namespace (the default when no namespace is set)")
 
     # -- leader election -----------------------------------------------------------------
@@ -43,6 +45,12 @@ class OperatorSettings(BaseModel):
                        description="image for agents, routers and sim engines when a resource names none")
     agent_metrics_port: int = Field(9401, ge=1, le=65535, description="port agents serve /metrics on")
 
+    # -- pool policy (docs/security.md) ---------------------------------------------------------
+    policy_dir: str | None = Field(None, description="the chart's pool-policy ConfigMap mounted as a directory; "
+                                                     "unset: the built-in defaults (the chart's defaults)")
+    pool_policy: PoolPolicy = Field(default_factory=lambda: PoolPolicy(),
+                                    description="loaded from policy_dir; what pools may ask for")
+
     # -- observability ----------------------------------------------------------------------
     metrics_port: int = Field(8080, ge=0, le=65535, description="/metrics port (0 disables)")
     metrics_address: str = Field("0.0.0.0", description="address /metrics listens on")
@@ -61,16 +69,25 @@ class OperatorSettings(BaseModel):
     def clusterwide(self) -> bool:
         return not self.namespace
 
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """The watched namespaces; empty means every namespace."""
+        return tuple(n.strip() for n in (self.namespace or "").split(",") if n.strip())
+
     @classmethod
     def load(cls, *, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> OperatorSettings:
         """Merge environment and the flags actually given (``None`` means not given)."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name in cls.model_fields:
+            if name == "pool_policy":
+                continue  # structured: only through policy_dir
             raw = env.get(f"{ENV_PREFIX}{name.upper()}")
             if raw is not None:
                 values[name] = raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None and k in cls.model_fields})
+        if values.get("policy_dir") and "pool_policy" not in values:
+            values["pool_policy"] = PoolPolicy.from_dir(str(values["policy_dir"]))
         return cls.model_validate(values)
 
     def describe(self) -> str:

@@ -56,23 +56,41 @@ def test_chart_lints_and_renders_two_replicas_with_leader_election() -> None:
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "dbk-daybreak-operator"
     assert {sa["metadata"]["name"] for sa in by_kind["ServiceAccount"]} == {"dbk-daybreak-operator"}
     roles = {r["metadata"]["name"]: r for r in by_kind["ClusterRole"]}
-    assert set(roles) == {"dbk-daybreak-operator", "daybreak-agent"}
-    bind = [r for r in roles["dbk-daybreak-operator"]["rules"] if "bind" in r["verbs"]]
+    assert set(roles) == {"dbk-daybreak-operator", "dbk-daybreak-operator-cluster", "daybreak-agent"}
+    bind = [r for r in roles["dbk-daybreak-operator-cluster"]["rules"] if "bind" in r["verbs"]]
     assert bind == [{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
                      "resourceNames": ["daybreak-agent"]}]
-    assert by_kind["ValidatingAdmissionPolicy"][0]["metadata"]["name"] == "daybreak-agent-own-node"
+    assert not [r for r in roles["dbk-daybreak-operator"]["rules"] if {"bind", "escalate"} & set(r["verbs"])]
+    policies = {p["metadata"]["name"] for p in by_kind["ValidatingAdmissionPolicy"]}
+    assert policies == {"daybreak-agent-own-node", "daybreak-pool-policy", "daybreak-deployment-policy",
+                        "daybreak-operator-writes"}
     assert by_kind["PodDisruptionBudget"][0]["spec"]["minAvailable"] == 1
-    namespaced = render("--set", f"watchNamespace={WATCHED_NS}", "--set", "agentAdmissionPolicy.enabled=false")
+    namespaced = render("--set", f"operator.watchNamespaces={{{WATCHED_NS}}}", "--set",
+                        "agentAdmissionPolicy.enabled=false")
     args = next(d for d in namespaced if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--namespace={WATCHED_NS}" in args
-    assert not [d for d in namespaced if d["kind"] == "ValidatingAdmissionPolicy"]
+    assert {p["metadata"]["name"] for p in namespaced if p["kind"] == "ValidatingAdmissionPolicy"} == {
+        "daybreak-pool-policy", "daybreak-deployment-policy", "daybreak-operator-writes"}
+    # Confined: the namespaced rights are a RoleBinding in the watched namespace, not a cluster binding.
+    bindings = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in namespaced
+                if d["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+    assert ("RoleBinding", WATCHED_NS, "dbk-daybreak-operator") in bindings
+    assert ("ClusterRoleBinding", None, "dbk-daybreak-operator") not in bindings
 
 
 def test_operator_in_cluster_with_the_charts_service_account(kube: LocalCluster, tmp_path: Path) -> None:
+    """Confined to one namespace, the chart's RBAC, admission policies and policy ConfigMap are enough."""
     kube.kubectl("apply", "-f", str(ROOT / "crds"))
     for ns in (RELEASE_NS, WATCHED_NS):
         kube.kubectl("create", "namespace", ns, check=False)
-    kube.kubectl("apply", "-f", "-", stdin="\n---\n".join(yaml.safe_dump(d) for d in render()))
+    docs = render("--set", f"operator.watchNamespaces={{{WATCHED_NS}}}")
+    kube.kubectl("apply", "-f", "-", stdin="\n---\n".join(yaml.safe_dump(d) for d in docs))
+    # What the kubelet would mount from the chart's policy ConfigMap (--policy-dir).
+    policy_dir = tmp_path / "policy"
+    policy_dir.mkdir()
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "dbk-daybreak-pool-policy")
+    for key, value in cm["data"].items():
+        (policy_dir / key).write_text(value)
     # What the kubelet would mount into the operator's Pod: a token of the chart's ServiceAccount.
     sa_dir = tmp_path / "serviceaccount"
     sa_dir.mkdir()
@@ -83,7 +101,11 @@ def test_operator_in_cluster_with_the_charts_service_account(kube: LocalCluster,
     op = OperatorProcess(kubeconfig=None, log_path=tmp_path / "operator.log", namespace=WATCHED_NS,
                          identity="in-cluster", lease_namespace=RELEASE_NS, resync_seconds=2.0,
                          env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(kube.apiserver_port),
-                              "DAYBREAK_OPERATOR_SERVICE_ACCOUNT_DIR": str(sa_dir), "KUBECONFIG": "/nonexistent"})
+                              "DAYBREAK_OPERATOR_SERVICE_ACCOUNT_DIR": str(sa_dir), "KUBECONFIG": "/nonexistent",
+                              "DAYBREAK_OPERATOR_POLICY_DIR": str(policy_dir),
+                              # The chart's image (what --image is in the chart): the admission policy on the
+                              # operator's writes accepts only it for agents.
+                              "DAYBREAK_OPERATOR_IMAGE": cm["data"]["operatorImage"]})
     op.start()
     try:
         pool = yaml.safe_load((ROOT / "examples" / "kvpool-minimal.yaml").read_text())
@@ -92,7 +114,6 @@ def test_operator_in_cluster_with_the_charts_service_account(kube: LocalCluster,
         with kube.api() as api:
             wanted = [f"/apis/apps/v1/namespaces/{WATCHED_NS}/daemonsets/kv-minimal-agent",
                       f"/api/v1/namespaces/{WATCHED_NS}/secrets/kv-minimal-token",
-                      f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agent-{WATCHED_NS}-kv-minimal",
                       f"/apis/apps/v1/namespaces/{WATCHED_NS}/deployments/sim-llama-decode",
                       f"/apis/apps/v1/namespaces/{WATCHED_NS}/deployments/sim-llama-router"]
             deadline = time.monotonic() + 90
@@ -101,6 +122,12 @@ def test_operator_in_cluster_with_the_charts_service_account(kube: LocalCluster,
                 missing = [p for p in wanted if api.get(p).status_code != 200]
                 time.sleep(0.5)
             assert not missing, f"not created: {missing}\n{op.log()[-4000:]}"
+            agent = {"kind": "ServiceAccount", "name": "kv-minimal-daybreak-agent", "namespace": WATCHED_NS}
+            deadline = time.monotonic() + 30
+            while agent not in (api.get("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agents")
+                                .json().get("subjects") or []):
+                assert time.monotonic() < deadline, f"agent not bound\n{op.log()[-4000:]}"
+                time.sleep(0.5)
             status = wait_status(api, f"/apis/daybreak.dev/v1alpha1/namespaces/{WATCHED_NS}/pddeployments/sim-llama")
             assert status["kvNamespace"].startswith("kv1-")
             lease = api.get(f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NS}/leases/daybreak-operator").json()

@@ -179,10 +179,11 @@ def test_every_child_exists_with_owner_labels_env_and_mounts(env: Env) -> None:
         labels = child["metadata"]["labels"]
         assert labels["app.kubernetes.io/managed-by"] == "daybreak-operator", kind
         assert labels["daybreak.dev/pool"] == "pool-a" and labels["app.kubernetes.io/name"] == "daybreak-agent"
-    binding = wait_for("agent ClusterRoleBinding", lambda: env.get(
-        f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agent-{NS}-pool-a"), env=env)
+    agent = {"kind": "ServiceAccount", "name": "pool-a-daybreak-agent", "namespace": NS}
+    binding = wait_for("agent in the shared ClusterRoleBinding", lambda: (b := env.get(
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agents")) and agent in (b.get("subjects") or [])
+        and b, env=env)
     assert binding["roleRef"]["name"] == "daybreak-agent"
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pool-a-daybreak-agent", "namespace": NS}]
 
     ds = pool_children["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
@@ -395,8 +396,10 @@ def test_deleting_the_pool_under_a_deployment_sets_a_condition(env: Env) -> None
              env=env)
     wait_for("agent DaemonSet garbage-collected",
              lambda: env.get(f"/apis/apps/v1/namespaces/{NS}/daemonsets/pool-a-agent") is None, env=env)
-    wait_for("agent ClusterRoleBinding swept", lambda: env.get(
-        f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agent-{NS}-pool-a") is None, env=env)
+    agent = {"kind": "ServiceAccount", "name": "pool-a-daybreak-agent", "namespace": NS}
+    wait_for("agent unbound", lambda: agent not in ((env.get(
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/daybreak-agents") or {}).get("subjects") or []),
+        env=env)
     assert any(o.alive() for o in env.operators)
     assert env.deployment("sim-a-decode") is not None  # left running, not torn down, while the pool is away
 

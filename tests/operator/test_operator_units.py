@@ -91,7 +91,7 @@ def test_pool_children_and_agent_privileges() -> None:
     assert agent["securityContext"]["privileged"] is False
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/host/sys"]["readOnly"] is True
-    assert set(mounts) == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token",
+    assert set(mounts) == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token", "/tmp",
                            "/mnt/nvme0/daybreak", "/dev/hugepages", "/dev/infiniband"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["host-sys"]["hostPath"]["path"] == "/sys"
@@ -100,10 +100,11 @@ def test_pool_children_and_agent_privileges() -> None:
     assert agent["readinessProbe"]["tcpSocket"]["port"] == "store"
     assert agent["resources"] == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "2", "memory": "2Gi"}}
     assert out.token_secret is not None and out.token_secret["metadata"]["name"] == "kv-production-token"
-    assert out.cluster_binding is not None
-    assert out.cluster_binding["roleRef"]["name"] == "daybreak-agent"
-    assert out.cluster_binding["subjects"][0] == {"kind": "ServiceAccount", "name": "kv-production-daybreak-agent",
-                                                  "namespace": "ns1"}
+    # rdma and huge pages: root, with IPC_LOCK as its only capability (see operator/pool.py).
+    assert pod["securityContext"]["runAsUser"] == 0 and "initContainers" not in pod
+    (role,) = _by_kind(out.applied, "Role")
+    assert role["rules"] == [{"apiGroups": ["daybreak.dev"], "resources": ["kvpools"],
+                              "resourceNames": ["kv-production"], "verbs": ["get", "list", "watch"]}]
 
 
 def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
@@ -111,7 +112,7 @@ def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
     (ds,) = _by_kind(pool_mod.build(pool, image=IMAGE, metrics_port=9401).applied, "DaemonSet")
     mounts = {m["mountPath"] for m in ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert "/dev/infiniband" not in mounts
-    assert mounts == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token"}
+    assert mounts == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token", "/tmp"}
 
 
 def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
