@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("daybreak.api.crdgen", "generate CRD YAML from the API models"),
     "sim-engine": ("daybreak.engine.sim", "run a simulated prefill or decode engine"),
     "router": ("daybreak.engine.router", "run the PD request router"),
+    "status": ("daybreak.status", "show pools, deployments, tiers, hit rates and node topology"),
 }
 
 
