@@ -74,6 +74,12 @@ def test_the_agent_help_runs_in_the_image(built: im.Paths) -> None:
     assert "--listen" in proc.stdout
 
 
+def test_the_kubectl_plugin_and_status_command_are_in_the_image(built: im.Paths) -> None:
+    proc = _in_image(built, ["kubectl-daybreak", "status", "--help"], entrypoint=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "--all-namespaces" in proc.stdout and "-o {table,json}" in proc.stdout
+
+
 def test_the_image_user_is_65532_and_pyverbs_imports_from_the_venv(built: im.Paths) -> None:
     probe = ("import os, pyverbs.device, pyverbs; "
              "print(os.getuid(), os.getgid(), pyverbs.__file__)")
