@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv tools rdma-deps lint typecheck test demo bench bench-deps crds clean help
+.PHONY: all venv tools rdma-deps lint typecheck test demo bench bench-deps crds image image-deps clean help
 
 all: test
 
@@ -21,6 +21,7 @@ help:
 	@echo "make bench  - run the benchmarks against their anchors"
 	@echo "make crds   - regenerate crds/ from the API models"
 	@echo "make tools  - build (or find cached) kube-apiserver, etcd, kwok, helm, ..."
+	@echo "make image  - build the container image (OCI layout in ~/.cache/daybreak/image/oci) from Debian packages"
 
 venv: $(STAMP)
 
@@ -59,6 +60,15 @@ bench-deps:
 	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	@$(BIN)/python -c 'import redis, mooncake.store' 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[test,bench]'
+
+# The container image (docs/image.md): Debian root filesystem by mmdebstrap, OCI layers by umoci,
+# cached per layer under ~/.cache/daybreak/image (DAYBREAK_IMAGE_DIR). The build needs root (chroot, file ownership).
+image: venv image-deps
+	$(BIN)/python -m daybreak.devenv.image
+
+image-deps:
+	@command -v mmdebstrap >/dev/null && command -v umoci >/dev/null || { apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap umoci >/dev/null; }
 
 crds: venv
 	$(BIN)/daybreak crds --out crds --docs docs/api.md

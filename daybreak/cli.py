@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim-engine": ("daybreak.serving.sim", "run a simulated prefill or decode engine"),
     "router": ("daybreak.serving.router", "run the PD request router"),
     "load": ("daybreak.serving.load", "replay a trace or generate sessions against an OpenAI-compatible URL"),
+    "status": ("daybreak.status", "show pools, deployments, tiers, hit rates and node topology"),
 }
 
 
