@@ -27,6 +27,7 @@ from daybreak.api.kube import Condition
 from daybreak.api.kvpool import KVPool
 from daybreak.api.node import KVNode
 from daybreak.api.pddeployment import PDDeployment
+from daybreak.errors import DaybreakError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ METRICS_TIMEOUT_SECONDS = 2.0
 METRICS_MAX_BYTES = 4 << 20
 
 
-class StatusError(Exception):
+class StatusError(DaybreakError):
     """The API could not be read; the message says what was tried and what to do next."""
 
 

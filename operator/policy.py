@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from daybreak.api.kvpool import KVPool
+from daybreak.errors import DaybreakError
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Violation:
         return f"{self.field}: {self.message}"
 
 
-class PolicyError(ValueError):
+class PolicyError(DaybreakError, ValueError):
     """The object asks for more than the cluster's Daybreak policy allows; nothing was applied."""
 
     def __init__(self, violations: list[Violation]) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daybreak.errors import DaybreakError
 from daybreak.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ PLATFORM_ARGS = tuple(arg for minor in range(36, 16, -1) for arg in ("--platform
 RUN_PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-class ImageError(RuntimeError):
+class ImageError(DaybreakError, RuntimeError):
     """The image could not be built or run; the message says which step and what to do."""
 
 

@@ -42,10 +42,11 @@ def test_a_pool_the_operators_policy_refuses_gets_a_condition_and_no_children(ku
                                                                                tmp_path: Path) -> None:
     kube.kubectl("apply", "-f", str(ROOT / "crds"))
     kube.kubectl("create", "namespace", NS, check=False)
-    # Tighter than at admission (as after a policy change): SSD tiers only under /srv/kv.
+    # Tighter than at admission (as after a policy change): SSD tiers only under /mnt/kv, inside the
+    # admission policy's roots (another test of this session may have installed that policy).
     policy = tmp_path / "policy"
     policy.mkdir()
-    (policy / "allowedSSDRoots").write_text("/srv/kv")
+    (policy / "allowedSSDRoots").write_text("/mnt/kv")
     op = OperatorProcess(kubeconfig=kube.kubeconfig, log_path=tmp_path / "operator.log", namespace=NS,
                          identity="policy", lease_namespace=NS, resync_seconds=2.0,
                          env={"DAYBREAK_OPERATOR_POLICY_DIR": str(policy)})
@@ -65,10 +66,10 @@ def test_a_pool_the_operators_policy_refuses_gets_a_condition_and_no_children(ku
         assert any(e["reason"] == "PolicyViolation" and e["type"] == "Warning" for e in events)
 
         kube.kubectl("patch", "kvp", "-n", NS, "tight", "--type=merge",
-                     "-p", '{"spec":{"tiers":{"ssd":{"path":"/srv/kv/tight"}}}}')
+                     "-p", '{"spec":{"tiers":{"ssd":{"path":"/mnt/kv/tight"}}}}')
         ds = _wait("the agent DaemonSet once fixed", lambda: _get(kube, "daemonset", "tight-agent"), op)
         volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
-        assert volumes["ssd"]["hostPath"]["path"] == "/srv/kv/tight"
+        assert volumes["ssd"]["hostPath"]["path"] == "/mnt/kv/tight"
         _wait("PolicyViolation cleared", lambda: _ready(_get(kube, "kvp", "tight")).get("reason") != "PolicyViolation",
               op)
         assert "policy" in op.log() and "Traceback" not in op.log()
