@@ -166,6 +166,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     pool_workers=args.pool_workers)
 
 
+def endpoint_addresses(kvpool: Any) -> list[str]:
+    """``address:port`` of each agent in a KVPool object's ``status.endpoints`` (malformed entries skipped)."""
+    status = kvpool.get("status") if isinstance(kvpool, dict) else None
+    entries = status.get("endpoints") if isinstance(status, dict) else None
+    out = []
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("address"), str) and isinstance(entry.get("port"), int):
+            out.append(f"{entry['address']}:{entry['port']}")
+    return out
+
+
 class _Endpoints:
     """Where the pool's agents are: the flag's list, or KVPool NS/NAME's status.endpoints read through the API."""
 
@@ -181,7 +192,8 @@ class _Endpoints:
         namespace, name = self._settings.pool_ref.split("/")
         if self._api is None:
             self._api = await kube.load_api()
-        return await kube.pool_endpoints(self._api, namespace=namespace, pool=name)
+        obj = await kube.get_json(self._api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{name}")
+        return endpoint_addresses(obj)
 
     async def close(self) -> None:
         if self._api is not None:

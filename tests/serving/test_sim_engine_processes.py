@@ -20,9 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daybreak.client import KVPoolClient
+from daybreak.devenv.cluster import LocalCluster
 from daybreak.serving.openai import parse_sse
 from daybreak.serving.prompt import block_content, block_keys, check_block, tokenize
 
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 4096
 BLOCK_TOKENS = 16
 
@@ -398,3 +400,57 @@ def test_settings_errors_say_what_to_give() -> None:
     bad = subprocess.run([sys.executable, "-m", "daybreak", "sim-engine", "--no-pool", "--kv-layout", json.dumps({})],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--kv-layout" in bad.stderr
+
+
+def test_pool_ref_waits_for_the_kvpools_published_endpoints_then_uses_them(
+        pool: Pool, kube: LocalCluster, tmp_path: Path) -> None:
+    """``--pool-ref NS/NAME`` finds the agents in the KVPool's status through the API (no DNS needed)."""
+    cache = f"--cache-dir={tmp_path / 'kubectl-cache'}"
+    kube.kubectl(cache, "apply", "-f", str(ROOT / "crds"))
+    kube.kubectl(cache, "wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+    ns = "sim-pool-ref"
+    if kube.kubectl(cache, "get", "namespace", ns, check=False).returncode != 0:
+        kube.kubectl(cache, "create", "namespace", ns)
+    kube.kubectl(cache, "apply", "-n", ns, "-f", str(ROOT / "examples" / "kvpool-minimal.yaml"))
+    env = {**clean_env(pool.shm_dir), "KUBECONFIG": str(kube.kubeconfig)}
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "daybreak", "sim-engine", "--role", "both", "--port", str(port),
+                 "--pool-ref", f"{ns}/kv-minimal", "--token-file", str(pool.token_file), "--kv-namespace", "simref",
+                 "--block-bytes", str(BLOCK_BYTES), "--time-scale", "0.02"], env=env)
+    engine = Engine(proc, port, "simref")
+    ready = threading.Thread(target=proc.start, kwargs={"timeout": 120}, daemon=True)
+    ready.start()
+    try:
+        # No endpoints published yet: the engine runs but is not ready.
+        deadline = time.monotonic() + 60
+        while not any("publishes no endpoints" in line for line in proc.lines):
+            assert time.monotonic() < deadline, "".join(proc.lines[-20:])
+            time.sleep(0.1)
+        assert httpx.get(engine.url + "/health", timeout=10).status_code == 503
+        host, agent_port = pool.address.rsplit(":", 1)
+        status = {"status": {"endpoints": [{"node": "n1", "address": host, "port": int(agent_port)}]}}
+        kube.kubectl(cache, "patch", "-n", ns, "kvpool", "kv-minimal", "--subresource=status", "--type=merge",
+                     "-p", json.dumps(status))
+        ready.join(timeout=120)
+        assert any("event=ready" in line for line in proc.lines), "".join(proc.lines[-20:])
+        usage = daybreak_usage(engine.complete(unique_prompt(2), max_tokens=1))
+        assert usage["bytes_written"] == 2 * BLOCK_BYTES
+        assert proc.terminate() == 0
+    finally:
+        proc.kill()
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_batch_slot(engines: dict[str, Engine]) -> None:
+    engine = engines["both"]
+    before = engine.metrics()["vllm:generation_tokens_total"]
+    body = {"prompt": unique_prompt(1), "max_tokens": 100_000, "stream": True}  # minutes of decoding
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=60) as response:
+        chunks = response.iter_bytes()  # held: dropping the iterator would close the stream here
+        next(chunks)
+        assert engine.metrics()["vllm:num_requests_running"] == 1
+    deadline = time.monotonic() + 30
+    while engine.metrics()["vllm:num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept its slot"
+        time.sleep(0.05)
+    assert engine.metrics()["vllm:generation_tokens_total"] - before < 100_000
+    assert engine.complete("still serving", max_tokens=2)["usage"]["completion_tokens"] == 2  # type: ignore[index]
