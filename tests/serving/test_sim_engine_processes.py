@@ -223,28 +223,28 @@ def test_completions_and_chat_answer_streamed_and_not(engines: dict[str, Engine]
 
 def test_prefill_writes_blocks_a_separate_decode_reads_and_checks_by_content(
         pool: Pool, engines: dict[str, Engine]) -> None:
-    prompt = unique_prompt(6)
+    prompt = unique_prompt(70)
     produced = engines["prefill"].complete(prompt, max_tokens=1)
     assert produced["usage"]["completion_tokens"] == 1  # type: ignore[index]
-    assert daybreak_usage(produced)["bytes_written"] == 6 * BLOCK_BYTES
-    assert daybreak_usage(produced)["computed_tokens"] == 6 * BLOCK_TOKENS + 5
+    assert daybreak_usage(produced)["bytes_written"] == 70 * BLOCK_BYTES
+    assert daybreak_usage(produced)["computed_tokens"] == 70 * BLOCK_TOKENS + 5
 
     # Any reader can check by content that the pool holds exactly the contract's bytes.
     keys = block_keys(tokenize(prompt), BLOCK_TOKENS)
     with KVPoolClient([pool.address], token=pool.token, namespace="simns") as client:
         buffers = [bytearray(BLOCK_BYTES) for _ in keys]
-        assert client.batch_get_into(keys, buffers) == [BLOCK_BYTES] * 6
+        assert client.batch_get_into(keys, buffers) == [BLOCK_BYTES] * 70
         assert all(check_block("simns", k, b) for k, b in zip(keys, buffers, strict=True))
 
     consumed = engines["decode"].complete(prompt, max_tokens=4)
     usage = daybreak_usage(consumed)
     assert consumed["choices"][0]["text"] == "The "  # type: ignore[index]
-    assert usage["pool_hit_tokens"] == 6 * BLOCK_TOKENS and usage["blocks_checked"] == 6
-    assert usage["blocks_corrupt"] == 0 and usage["bytes_read"] == 6 * BLOCK_BYTES
+    assert usage["pool_hit_tokens"] == 70 * BLOCK_TOKENS and usage["blocks_checked"] == 70
+    assert usage["blocks_corrupt"] == 0 and usage["bytes_read"] == 70 * BLOCK_BYTES
     assert usage["computed_tokens"] == 5 and usage["bytes_written"] == 0  # a consumer never writes
     metrics = engines["decode"].metrics()
-    assert metrics["daybreak_engine_blocks_checked_total"] >= 6
-    assert metrics["daybreak_engine_kv_bytes_total{direction=read}"] >= 6 * BLOCK_BYTES
+    assert metrics["daybreak_engine_blocks_checked_total"] >= 70
+    assert metrics["daybreak_engine_kv_bytes_total{direction=read}"] >= 70 * BLOCK_BYTES
 
 
 def test_a_decode_computes_what_the_pool_lacks_and_recomputes_a_corrupt_block(
@@ -265,6 +265,16 @@ def test_a_decode_computes_what_the_pool_lacks_and_recomputes_a_corrupt_block(
     missing = unique_prompt(3)  # never written: all of it is computed, nothing is skipped
     usage = daybreak_usage(engines["decode"].complete(missing, max_tokens=2))
     assert usage["pool_hit_tokens"] == 0 and usage["computed_tokens"] == 3 * BLOCK_TOKENS + 5
+
+    # A long prompt is read by several workers at once: a bad block deep inside still ends the prefix.
+    long = unique_prompt(64)
+    keys = block_keys(tokenize(long), BLOCK_TOKENS)
+    with KVPoolClient([pool.address], token=pool.token, namespace="simns") as client:
+        blocks = [block_content("simns" if i != 40 else "simother", k, BLOCK_BYTES) for i, k in enumerate(keys)]
+        assert client.batch_put(keys, blocks) == [1] * 64
+    usage = daybreak_usage(engines["decode"].complete(long, max_tokens=1))
+    assert usage["pool_hit_tokens"] == 40 * BLOCK_TOKENS and usage["blocks_corrupt"] == 1
+    assert 41 <= usage["blocks_checked"] <= 64 and usage["computed_tokens"] == 24 * BLOCK_TOKENS + 5
 
 
 def test_a_shared_prefix_hits_the_pool_from_another_engine_and_another_namespace_never_does(
