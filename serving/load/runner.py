@@ -1,7 +1,7 @@
 """Sending requests and reading their streams: one ``RequestRecord`` per request, timed per token.
 
-TTFT is request sent to the first content chunk; ITL is the gap between
-successive content chunks; usage comes from the final chunk
+TTFT is request sent to the first chunk carrying text; ITL is the gap between
+successive such chunks (role-only and finish-only chunks are not tokens); usage comes from the final chunk
 (``stream_options.include_usage``). Every request has a timeout, the client
 connects only to the URL it was given, and the number in flight is capped.
 """
@@ -73,7 +73,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *
                     if "error" in chunk:
                         record.error = "stream_error"
                         return record, ""
-                    if chunk.get("choices"):
+                    piece = _chunk_text(chunk)
+                    if piece:  # a token; role-only and finish-only chunks carry no text
                         now = time.monotonic()
                         if last is None:
                             record.ttft_s = now - record.sent_at
@@ -81,7 +82,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *
                             record.itl_s.append(now - last)
                         last = now
                         record.output_tokens += 1
-                        pieces.append(_chunk_text(chunk))
+                        pieces.append(piece)
                     if isinstance(chunk.get("usage"), dict):
                         record.take_usage(chunk["usage"])
                 if not done:
