@@ -123,6 +123,8 @@ class PoolIO:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._made = 0
         self._lock = asyncio.Lock()
+        self.background: asyncio.Task[None] | None = None
+        """A task that lives as long as this pool (the endpoint refresher); cancelled on close."""
 
     async def start(self) -> None:
         """Connect the first worker's client (raises KVPoolError when no agent answers)."""
@@ -144,8 +146,17 @@ class PoolIO:
             worker = await self._idle.get()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, worker)
+        except KVPoolError:
+            # The client reaches no agent any more: drop it, so the next call connects afresh
+            # (to the endpoints as they are then, e.g. re-read from the KVPool's status).
+            self._made -= 1
+            with contextlib.suppress(Exception):
+                await asyncio.get_running_loop().run_in_executor(self._executor, worker.client.close)
+            worker = None
+            raise
         finally:
-            self._idle.put_nowait(worker)
+            if worker is not None:
+                self._idle.put_nowait(worker)
 
     def exists(self, keys: Sequence[str]) -> Awaitable[list[bool]]:
         """Which keys the pool holds (all of them asked at once)."""
@@ -200,6 +211,10 @@ class PoolIO:
 
     async def close(self) -> None:
         """Close every client and stop the worker threads."""
+        if self.background is not None:
+            self.background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.background
         while not self._idle.empty():
             worker = self._idle.get_nowait()
             with contextlib.suppress(Exception):
