@@ -165,7 +165,7 @@ def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
         if mp == "/":
             continue
         pattern = re.compile(r"(?<![\w./-])" + re.escape(mp) + r"(?=$|[/\s\"',:;=)\]}])")
-        text = pattern.sub(lambda _m, h=host: h, text)
+        text = pattern.sub(host.replace("\\", "\\\\"), text)
     return text
 
 
@@ -408,6 +408,8 @@ class PodWorker(threading.Thread):
     def _prepare(self, api: httpx.Client, pod: dict[str, Any]) -> None:
         """IP, directories, kubeconfig and volumes; retried every tick until it succeeds."""
         try:
+            if pod["spec"].get("initContainers"):
+                raise ValueError("init containers are not supported by the process kubelet")
             node_ip = self.kubelet.node_ip(api, self.node)
             self.host_ip = node_ip
             self.pod_ip = node_ip if pod["spec"].get("hostNetwork") else self.kubelet.allocate_ip(self.uid)
@@ -508,7 +510,7 @@ class PodWorker(threading.Thread):
             out: dict[str, bytes] = {}
             for item in source["downwardAPI"].get("items") or []:
                 if "fieldRef" in item:
-                    out[item["path"]] = field_ref(pod, item["fieldRef"]["fieldPath"]).encode()
+                    out[item["path"]] = field_ref(self.with_addresses(pod), item["fieldRef"]["fieldPath"]).encode()
             return out
         if "serviceAccountToken" in source:
             t = source["serviceAccountToken"]
@@ -560,8 +562,18 @@ class PodWorker(threading.Thread):
         return mounts
 
     # -- env --------------------------------------------------------------------------------------
+    def with_addresses(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """``pod`` as the downward API sees it: with the addresses this kubelet gave it (maybe not published yet)."""
+        status = dict(pod.get("status") or {})
+        if self.pod_ip:
+            status.update(podIP=self.pod_ip, podIPs=[{"ip": self.pod_ip}])
+        if self.host_ip:
+            status.update(hostIP=self.host_ip, hostIPs=[{"ip": self.host_ip}])
+        return {**pod, "status": status}
+
     def environment(self, api: httpx.Client, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         """The process's environment: a minimal base, then the container's envFrom and env, resolved."""
+        pod = self.with_addresses(pod)
         venv_bin = str(Path(sys.executable).parent)
         base = {
             "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}",
@@ -682,11 +694,14 @@ class PodWorker(threading.Thread):
             if not c.finished and now >= c.not_before:
                 self._start(api, pod, c)
             return
-        env_for_exec = {"PATH": os.environ.get("PATH", "")}
-        probe = {"container": c.spec, "host": self.pod_ip, "env": env_for_exec, "cwd": self.dir}
+
+        def probe(p: ProbeState) -> bool:
+            return run_probe(p.spec, container=c.spec, host=self.pod_ip,
+                             env={"PATH": os.environ.get("PATH", "")}, cwd=self.dir)
+
         if c.startup is not None and not c.started:
             if c.startup.due(now):
-                c.startup.record(run_probe(c.startup.spec, **probe), now)
+                c.startup.record(probe(c.startup), now)
                 if c.startup.result is True:
                     c.started = True
                     if c.readiness is not None:
@@ -695,14 +710,14 @@ class PodWorker(threading.Thread):
                     self._kill_for_probe(pod, c, "startup")
             return
         if c.liveness is not None and c.liveness.due(now):
-            c.liveness.record(run_probe(c.liveness.spec, **probe), now)
+            c.liveness.record(probe(c.liveness), now)
             if c.liveness.result is False:
                 self._kill_for_probe(pod, c, "liveness")
                 return
         if c.readiness is None:
             c.ready = True
         elif c.readiness.due(now):
-            c.readiness.record(run_probe(c.readiness.spec, **probe), now)
+            c.readiness.record(probe(c.readiness), now)
             c.ready = c.readiness.result is True
 
     def _kill_for_probe(self, pod: dict[str, Any], c: ContainerRun, which: str) -> None:
@@ -851,6 +866,7 @@ class ProcessKubelet:
         self._nodes: dict[str, str] = {}  # node -> address (empty: not a fake node)
         self._extra_node_index = 200
         self._processes: set[subprocess.Popen[bytes]] = set()
+        self._done: set[str] = set()  # uids whose worker finished: late events must not start them again
         self._dirty: set[str] = set()
         self._dirty_event = threading.Event()
 
@@ -939,6 +955,7 @@ class ProcessKubelet:
             if self.workers.get(worker.uid) is worker:
                 del self.workers[worker.uid]
             self._ips.pop(worker.uid, None)
+            self._done.add(worker.uid)
         self.endpoints_changed(worker.namespace)
 
     def endpoints_changed(self, namespace: str) -> None:
@@ -959,6 +976,10 @@ class ProcessKubelet:
         uid = str(meta.get("uid") or "")
         with self._lock:
             worker = self.workers.get(uid)
+            if worker is None and uid in self._done:
+                if kind == "DELETED":
+                    self._done.discard(uid)
+                return
         if kind == "DELETED":
             if worker is not None:
                 worker.update(pod)
@@ -1121,7 +1142,7 @@ def desired_slice(service: dict[str, Any], pods: list[tuple[dict[str, Any], Any]
     endpoints = []
     for pod, worker in sorted(matched, key=lambda pw: pw[1].pod_ip):
         status = worker.last_status or {}
-        ready_cond = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+        ready_cond: dict[str, Any] = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
         terminating = bool((pod.get("metadata") or {}).get("deletionTimestamp")) or worker.terminating
         ready = ready_cond.get("status") == "True" and not terminating
         endpoints.append({

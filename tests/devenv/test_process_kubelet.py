@@ -46,7 +46,7 @@ def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 60.0)
     pytest.fail(f"timed out waiting for {what}; last={last!r}")
 
 
-def testpod(name: str, *args: str, labels: dict[str, str] | None = None, probe_path: str = "/health",
+def pod_manifest(name: str, *args: str, labels: dict[str, str] | None = None, probe_path: str = "/health",
             restart: str = "Always", grace: int | None = None, node: str | None = None,
             host_network: bool = False, port: int = 8080) -> dict[str, Any]:
     container: dict[str, Any] = {
@@ -133,8 +133,8 @@ def test_a_daybreak_pod_binds_its_loopback_address_is_ready_by_its_probe_and_in_
     pods.api.post(f"/api/v1/namespaces/{NS}/services", json={
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
         "spec": {"selector": {"tier": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
-    pods.create(testpod("web-ok", labels={"tier": "web"}))
-    pods.create(testpod("web-unready", labels={"tier": "web"}, probe_path="/missing"))
+    pods.create(pod_manifest("web-ok", labels={"tier": "web"}))
+    pods.create(pod_manifest("web-unready", labels={"tier": "web"}, probe_path="/missing"))
     pod = wait_for("web-ok Ready", lambda: pods.ready("web-ok"))
     ip = pod["status"]["podIP"]
     assert ipaddress.ip_address(ip) in kubelet_mod.POD_CIDR
@@ -200,9 +200,9 @@ def test_pods_that_do_not_run_daybreak_stay_kwoks(pods: Pods, cluster: LocalClus
 
 
 def test_a_crashing_container_restarts_per_restart_policy_with_the_count_in_status(pods: Pods) -> None:
-    pods.create(testpod("crash-always", "--exit-after", "0.3", "--exit-code", "3"))
-    pods.create(testpod("crash-never", "--exit-after", "0.3", "--exit-code", "3", restart="Never"))
-    pods.create(testpod("done-onfailure", "--exit-after", "0.3", "--exit-code", "0", restart="OnFailure"))
+    pods.create(pod_manifest("crash-always", "--exit-after", "0.3", "--exit-code", "3"))
+    pods.create(pod_manifest("crash-never", "--exit-after", "0.3", "--exit-code", "3", restart="Never"))
+    pods.create(pod_manifest("done-onfailure", "--exit-after", "0.3", "--exit-code", "0", restart="OnFailure"))
 
     def restarted() -> dict[str, Any] | None:
         status = ((pods.get("crash-always") or {}).get("status") or {}).get("containerStatuses") or [{}]
@@ -225,8 +225,8 @@ def test_a_crashing_container_restarts_per_restart_policy_with_the_count_in_stat
 
 
 def test_deletion_sends_sigterm_and_honours_the_grace_period(pods: Pods) -> None:
-    pods.create(testpod("term-fast", "--term-delay", "2", grace=30))
-    pods.create(testpod("term-stuck", "--term-delay", "600", grace=2))
+    pods.create(pod_manifest("term-fast", "--term-delay", "2", grace=30))
+    pods.create(pod_manifest("term-stuck", "--term-delay", "600", grace=2))
     wait_for("both Ready", lambda: pods.ready("term-fast") and pods.ready("term-stuck"))
     fast, stuck = pods.pid("term-fast"), pods.pid("term-stuck")
     for name in ("term-fast", "term-stuck"):
@@ -246,7 +246,7 @@ def test_deletion_sends_sigterm_and_honours_the_grace_period(pods: Pods) -> None
 
 
 def test_a_host_network_pod_binds_its_nodes_address(pods: Pods) -> None:
-    pods.create(testpod("hostnet", node="daybreak-node-1", host_network=True, port=18765))
+    pods.create(pod_manifest("hostnet", node="daybreak-node-1", host_network=True, port=18765))
     pod = wait_for("hostnet Ready", lambda: pods.ready("hostnet"))
     node_ip = kubelet_mod.node_address(1)
     assert pod["status"]["podIP"] == pod["status"]["hostIP"] == node_ip
@@ -267,7 +267,7 @@ def test_dev_up_runs_daybreak_pods_and_dev_down_leaves_no_process_or_shared_memo
     shm = kubelet_mod.shm_root(directory)
     try:
         kubeconfig = str(directory / "kubeconfig")
-        manifest = json.dumps(testpod("cli-pod"))
+        manifest = json.dumps(pod_manifest("cli-pod"))
         kubectl = [str(Path(sys.executable).parent / "kubectl"), f"--kubeconfig={kubeconfig}"]
         subprocess.run([*kubectl, "apply", "-f", "-"], input=manifest, text=True, check=True, timeout=60)
 
