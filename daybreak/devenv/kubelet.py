@@ -414,6 +414,7 @@ class PodWorker(threading.Thread):
         self.prepared = False
         self.prepare_error = ""
         self.terminating = False
+        self.patch_not_before = 0.0  # after a failed status patch: retry, but not every tick
 
     # called from the watch thread
     def update(self, pod: dict[str, Any]) -> None:
@@ -872,6 +873,9 @@ class PodWorker(threading.Thread):
         comparable = json.dumps(status, sort_keys=True)
         if self.last_status is not None and json.dumps(self.last_status, sort_keys=True) == comparable:
             return
+        if time.monotonic() < self.patch_not_before:
+            return
+        self.patch_not_before = time.monotonic() + 1.0  # cleared on success
         try:
             # Strategic merge: conditions merge by type, so PodScheduled (the scheduler's) stays.
             resp = api.patch(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status",
@@ -888,6 +892,7 @@ class PodWorker(threading.Thread):
                         self.pod_name, resp.status_code, resp.text[:300])
             return
         self.last_status = status
+        self.patch_not_before = 0.0
         self.kubelet.endpoints_changed(self.namespace)
 
 
