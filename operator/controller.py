@@ -523,6 +523,8 @@ class Controller:
                 await self._refuse(key, PDDEPLOYMENT, body, exc)
                 return "refused"
             before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+            # The pods' ServiceAccount first: a pod naming a missing one is refused at admission.
+            await self.applier.apply_all(body, [(m, pdd_mod.access_labels(pdd)) for m in desired.access])
             results = await self.applier.apply_all(
                 body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
             for result in results:
