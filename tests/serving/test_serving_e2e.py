@@ -29,7 +29,7 @@ import yaml
 from daybreak.api.kvcompat import KVLayout
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
 
