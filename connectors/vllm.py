@@ -81,7 +81,7 @@ def _log_like_vllm() -> None:
 
 
 @dataclass
-class DaybreakConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class DaybreakConnectorMetadata(KVConnectorMetadata):
     """One step's work, scheduler -> worker: blocks to load before the forward pass and to save after it."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
@@ -106,7 +106,7 @@ def _engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, t
     )
 
 
-class DaybreakConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class DaybreakConnector(KVConnectorBase_V1):
     """vLLM KV connector that loads prompt prefix blocks from, and saves them to, a Daybreak pool."""
 
     _cache_hit_source = CacheHitSource.HOST

@@ -69,7 +69,7 @@ def test_every_other_layout_mismatch_is_refused(update: dict[str, object], messa
     with pytest.raises(ConnectorConfigError, match=message):
         check_layout(DECLARED.model_copy(update=update), CPU)
     cuda = EngineLayout(**{**CPU.__dict__, "platform": "cuda"})
-    with pytest.raises(ConnectorConfigError, match="remove kvLayout.platform"):
+    with pytest.raises(ConnectorConfigError, match=r"remove kvLayout\.platform"):
         check_layout(DECLARED, cuda)
 
 

@@ -94,7 +94,7 @@ def _keys(vllm_python: Path, prompt: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(vllm_python: Path, model: Path, workdir: Path) -> dict[str, list[int]]:
-    """Greedy outputs of a server with no KV connector at all."""
+    """Greedy outputs of a server with no KV connector at all (started and stopped before the others)."""
     plain = _server(vllm_python, model, workdir, "plain", cpu=0, config=None).start()
     try:
         plain.wait_ready()
@@ -103,37 +103,58 @@ def reference(vllm_python: Path, model: Path, workdir: Path) -> dict[str, list[i
         plain.stop()
 
 
+SHARED_NS = "shared-ns"
+PD_NS = "pd-ns"
+
+
+@pytest.fixture(scope="class")
+def shared_engines(vllm_python: Path, model: Path, workdir: Path, pool: LocalAgent,
+                   reference: dict[str, list[int]]) -> Iterator[tuple[VllmServer, VllmServer]]:
+    config = daybreak_transfer_config(role="kv_both", endpoints=[pool.address], token_file=pool.token_file,
+                                      namespace=SHARED_NS)
+    a = _server(vllm_python, model, workdir, "engine-a", cpu=0, config=config).start()
+    b = _server(vllm_python, model, workdir, "engine-b", cpu=1, config=config).start()
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="class")
+def pd_engines(vllm_python: Path, model: Path, workdir: Path, pool: LocalAgent,
+               reference: dict[str, list[int]]) -> Iterator[tuple[VllmServer, VllmServer]]:
+    def config(role: str) -> dict[str, object]:
+        return daybreak_transfer_config(role=role, endpoints=[pool.address], token_file=pool.token_file,
+                                        namespace=PD_NS)
+
+    prefill = _server(vllm_python, model, workdir, "prefill", cpu=0, config=config("kv_producer")).start()
+    decode = _server(vllm_python, model, workdir, "decode", cpu=1, config=config("kv_consumer")).start()
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 class TestTwoEnginesShareOnePool:
-    """Engines A and B, both kv_both in namespace NS: B loads what A computed."""
-
-    NS = "shared-ns"
-
-    @pytest.fixture(scope="class")
-    def engines(self, vllm_python: Path, model: Path, workdir: Path, pool: LocalAgent,
-                reference: dict[str, list[int]]) -> Iterator[tuple[VllmServer, VllmServer]]:
-        config = daybreak_transfer_config(role="kv_both", endpoints=[pool.address], token_file=pool.token_file,
-                                          namespace=self.NS)
-        a = _server(vllm_python, model, workdir, "engine-a", cpu=0, config=config).start()
-        b = _server(vllm_python, model, workdir, "engine-b", cpu=1, config=config).start()
-        try:
-            a.wait_ready()
-            b.wait_ready()
-            yield a, b
-        finally:
-            a.stop()
-            b.stop()
+    """Engines A and B, both kv_both in one namespace: B loads what A computed."""
 
     def test_second_engine_loads_the_prefix_the_first_computed_and_generates_the_same_tokens(
-            self, engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
+            self, shared_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
             vllm_python: Path) -> None:
-        a, b = engines
+        a, b = shared_engines
         first = a.complete(PROMPTS["shared"], max_tokens=MAX_TOKENS)
         assert first.token_ids == reference["shared"] and first.cached_tokens == 0
         assert a.metric(HITS) == 0
         assert f"fingerprint={LAYOUT.fingerprint()}" in a.log_text()
         keys = _keys(vllm_python, PROMPTS["shared"])
         assert len(keys) == 5 * LAYOUT.num_layers  # 5 full blocks of 700 tokens, one key per layer
-        with _client(pool, self.NS) as ns, _client(pool, "another-ns") as other:
+        with _client(pool, SHARED_NS) as ns, _client(pool, "another-ns") as other:
             assert all(ns.batch_exists(keys))  # A saved every full block under the keys we derive
             assert not any(other.batch_exists(keys))  # an engine of another namespace would miss them all
 
@@ -145,13 +166,13 @@ class TestTwoEnginesShareOnePool:
         assert "event=loaded blocks=5 failed=0" in b.log_text()
 
     def test_blocks_overwritten_with_another_prompts_kv_change_the_output(
-            self, engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
+            self, shared_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
             vllm_python: Path) -> None:
-        a, b = engines
+        a, b = shared_engines
         assert a.complete(PROMPTS["corrupt"], max_tokens=MAX_TOKENS).token_ids == reference["corrupt"]
         donor = _keys(vllm_python, PROMPTS["shared"])
         target = _keys(vllm_python, PROMPTS["corrupt"])
-        with _client(pool, self.NS) as ns:
+        with _client(pool, SHARED_NS) as ns:
             # Valid bf16 KV, but of another prompt: checksums match, only the meaning is wrong.
             buffers = [bytearray(LAYOUT.block_bytes_per_layer) for _ in donor]
             assert ns.batch_get_into(donor, buffers) == [LAYOUT.block_bytes_per_layer] * len(donor)
@@ -162,12 +183,12 @@ class TestTwoEnginesShareOnePool:
         assert corrupted.token_ids != reference["corrupt"]  # the loaded KV was really used
 
     def test_a_block_that_fails_to_load_is_recomputed_not_used(
-            self, engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
+            self, shared_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
             vllm_python: Path) -> None:
-        a, b = engines
+        a, b = shared_engines
         assert a.complete(PROMPTS["partial"], max_tokens=MAX_TOKENS).token_ids == reference["partial"]
         keys = _keys(vllm_python, PROMPTS["partial"])
-        with _client(pool, self.NS) as ns:
+        with _client(pool, SHARED_NS) as ns:
             # Block 2, layer 1: present (so the lookup counts it) but truncated, so the load of it fails.
             assert ns.batch_put([keys[2 * LAYOUT.num_layers + 1]], [b"\0" * 100]) == [1]
         recovered = b.complete(PROMPTS["partial"], max_tokens=MAX_TOKENS)
@@ -179,28 +200,9 @@ class TestPrefillThenDecode:
     """A kv_producer prefill engine and a kv_consumer decode engine, driven as ``daybreak router`` drives them:
     the original request to prefill with ``max_tokens: 1, stream: false``, then unchanged to decode."""
 
-    NS = "pd-ns"
-
-    @pytest.fixture(scope="class")
-    def engines(self, vllm_python: Path, model: Path, workdir: Path, pool: LocalAgent,
-                reference: dict[str, list[int]]) -> Iterator[tuple[VllmServer, VllmServer]]:
-        def config(role: str) -> dict[str, object]:
-            return daybreak_transfer_config(role=role, endpoints=[pool.address], token_file=pool.token_file,
-                                            namespace=self.NS)
-
-        prefill = _server(vllm_python, model, workdir, "prefill", cpu=0, config=config("kv_producer")).start()
-        decode = _server(vllm_python, model, workdir, "decode", cpu=1, config=config("kv_consumer")).start()
-        try:
-            prefill.wait_ready()
-            decode.wait_ready()
-            yield prefill, decode
-        finally:
-            prefill.stop()
-            decode.stop()
-
     def test_decode_loads_the_prompt_prefill_computed_and_computes_only_the_rest(
-            self, engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]]) -> None:
-        prefill, decode = engines
+            self, pd_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]]) -> None:
+        prefill, decode = pd_engines
         request = {"model": str(prefill.model), "prompt": PROMPTS["pd"], "max_tokens": MAX_TOKENS,
                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         first = prefill.post("/v1/completions", {**request, "max_tokens": 1, "stream": False})
@@ -213,12 +215,12 @@ class TestPrefillThenDecode:
         assert decode.metric(HITS) - before == LOADABLE
 
     def test_a_consumer_saves_nothing_and_a_producer_loads_nothing(
-            self, engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
+            self, pd_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
             vllm_python: Path) -> None:
-        prefill, decode = engines
+        prefill, decode = pd_engines
         assert decode.complete(PROMPTS["consumer"], max_tokens=MAX_TOKENS).token_ids == reference["consumer"]
         keys = _keys(vllm_python, PROMPTS["consumer"])
-        with _client(pool, self.NS) as ns:
+        with _client(pool, PD_NS) as ns:
             assert not any(ns.batch_exists(keys))
             assert all(ns.batch_exists(_keys(vllm_python, PROMPTS["pd"])))  # what the producer saved
         # The pd prompt's blocks are in the pool, but a producer computes instead of loading.
