@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv tools rdma-deps lint typecheck test demo bench bench-deps crds image image-deps clean help
+.PHONY: all venv vllm-env tools rdma-deps lint typecheck test demo bench bench-deps crds image image-deps clean help
 
 all: test
 
@@ -22,6 +22,7 @@ help:
 	@echo "make crds   - regenerate crds/ from the API models"
 	@echo "make tools  - build (or find cached) kube-apiserver, etcd, kwok, helm, ..."
 	@echo "make image  - build the container image (OCI layout in ~/.cache/daybreak/image/oci) from Debian packages"
+	@echo "make vllm-env - install (or find cached) vLLM on CPU; prints the interpreter's path last"
 
 venv: $(STAMP)
 
@@ -34,6 +35,11 @@ $(STAMP): pyproject.toml
 tools: venv
 	$(BIN)/daybreak dev tools
 
+# vLLM on CPU for the connector tests and `daybreak bench vllm`: a base venv cached by version
+# outside the repo plus .venv-vllm for this checkout (daybreak/devenv/vllmenv.py). Seconds when warm.
+vllm-env: venv
+	@$(BIN)/python -m daybreak.devenv.vllmenv
+
 # Optional RDMA bindings from the distribution (see hack/pyverbs.sh).
 rdma-deps: venv
 	@hack/pyverbs.sh $(BIN)/python
@@ -45,13 +51,13 @@ typecheck: venv
 	$(BIN)/python hack/linktree.py
 	$(BIN)/mypy
 
-test: venv tools rdma-deps lint typecheck
+test: venv tools rdma-deps vllm-env lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: venv tools
 	$(BIN)/python -m daybreak.devenv.demo
 
-bench: venv tools bench-deps
+bench: venv tools bench-deps vllm-env
 	$(BIN)/daybreak bench all
 
 # Mooncake's wheel (the transfer bench anchor) links libibverbs.so.1 even for tcp; the store
@@ -75,4 +81,4 @@ crds: venv
 	cp crds/*.yaml charts/daybreak/crds/
 
 clean:
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info .daybreak
+	rm -rf $(VENV) .venv-vllm .venv-vllm.lock .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info .daybreak

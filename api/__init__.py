@@ -8,7 +8,7 @@ Parse a raw object with ``KVPool.from_body(body)``; produce the wire form
 
 from daybreak.api.base import API_VERSION, GROUP, VERSION, CustomResource
 from daybreak.api.kube import Condition, ConditionStatus
-from daybreak.api.kvcompat import EngineKind, KVDtype, KVLayout, kv_namespace
+from daybreak.api.kvcompat import EngineKind, KVDtype, KVLayout, KVPlatform, kv_namespace
 from daybreak.api.kvpool import KVPool, KVPoolSpec, KVPoolStatus
 from daybreak.api.pddeployment import PDDeployment, PDDeploymentSpec, PDDeploymentStatus, Role
 from daybreak.api.quantity import QuantityError, format_bytes, parse_bytes, parse_quantity
@@ -23,6 +23,7 @@ __all__ = [
     "EngineKind",
     "KVDtype",
     "KVLayout",
+    "KVPlatform",
     "KVPool",
     "KVPoolSpec",
     "KVPoolStatus",

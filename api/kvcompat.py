@@ -12,7 +12,9 @@ STABILITY: the key must not change between Daybreak releases for the same
 inputs, or every upgrade would silently drop the whole cache. It is therefore
 computed from an explicit, versioned, canonical serialisation below, never
 from ``model_dump`` (adding a field to a model must not change old keys).
-Changing the serialisation means bumping ``KV_NAMESPACE_VERSION``.
+Changing the serialisation means bumping ``KV_NAMESPACE_VERSION``. New
+inputs enter the payload only when set (``KVLayout.platform``), so every key
+computed before they existed stays the same.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ _DTYPE_BYTES = {
 }
 
 
+class KVPlatform(StrEnum):
+    """An engine platform whose KV block bytes differ from the same engine's accelerator (CUDA) layout."""
+
+    CPU = "cpu"
+    """vLLM's CPU backend: per block and head, K is stored transposed ([headDim, blockTokens]), then V."""
+
+
 class EngineKind(StrEnum):
     """The inference engine running prefill and decode."""
 
@@ -79,6 +88,10 @@ class KVLayout(ApiModel):
     """Element type of the cached tensors."""
     block_tokens: int = Field(default=16, ge=1, le=65536)
     """Tokens per cache block: the unit the store keeps, moves and evicts."""
+    platform: KVPlatform | None = None
+    """Set only where the engine's block bytes differ from its accelerator layout: cpu for vLLM on CPU
+    (not byte-compatible with CUDA blocks of the same shape). Unset: the accelerator layout. Part of
+    kvNamespace only when set, so keys of existing deployments do not change."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,6 +116,9 @@ def kv_namespace_payload(*, model_name: str, model_revision: str, layout: KVLayo
         "numLayers": int(layout.num_layers),
         "revision": model_revision,
     }
+    if layout.platform is not None:
+        # Added after v1 keys were in use: present only when set, so older keys are unchanged.
+        fields["platform"] = str(KVPlatform(layout.platform).value)
     body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return f"{_DOMAIN}\n{body}".encode("ascii")
 

@@ -17,6 +17,7 @@ SUITES: dict[str, str] = {
     "store": "daybreak.bench.store",
     "operator": "daybreak.bench.operator",
     "serving": "daybreak.bench.serving",
+    "vllm": "daybreak.bench.vllm",
 }
 
 

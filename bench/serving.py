@@ -35,9 +35,9 @@ from typing import Any
 
 from daybreak.serving.load.lru import lru_bound
 from daybreak.serving.load.trace import read_trace, sample_by_root
-from daybreak.serving.localstack import Stack
 from daybreak.serving.prompt import TRACE_BLOCK_TOKENS
 from daybreak.serving.sim.costmodel import CostModel as SimCost
+from daybreak.testing.serving_stack import Stack
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 # Llama-3.1-8B's KV (the example layout), 512-token blocks as in the trace: 64 MiB per block.

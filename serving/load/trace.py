@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daybreak.errors import DaybreakError
 from daybreak.serving.prompt import TRACE_BLOCK_TOKENS
 
 # Bounds that no real trace line comes near; beyond them the line is hostile or corrupt.
@@ -24,7 +25,7 @@ MAX_INPUT_TOKENS = 2_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
 
 
-class TraceError(ValueError):
+class TraceError(DaybreakError, ValueError):
     """A trace line is malformed; the message names the file, line and field."""
 
 

@@ -52,6 +52,7 @@ from prometheus_client import (
 )
 
 from daybreak.client import AsyncKVPoolClient
+from daybreak.errors import DaybreakError
 from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
 from daybreak.serving.router import choice
 from daybreak.serving.router.discovery import RolePods
@@ -193,7 +194,7 @@ class Metrics:
         self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
 
 
-class StepFailed(Exception):
+class StepFailed(DaybreakError):
     """A step found no pod that served it within the attempts and the deadline."""
 
     def __init__(self, role: str, reason: str) -> None:
@@ -202,7 +203,7 @@ class StepFailed(Exception):
         super().__init__(f"{role} step failed: {reason}")
 
 
-class Refused(Exception):
+class Refused(DaybreakError):
     """An engine answered 4xx: the request's fault, relayed to the client as is."""
 
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
@@ -212,7 +213,7 @@ class Refused(Exception):
         super().__init__(f"engine refused the request with {status}")
 
 
-class ClientGone(Exception):
+class ClientGone(DaybreakError):
     """The client closed its connection mid-stream."""
 
 

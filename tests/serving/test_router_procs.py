@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from daybreak.serving.localstack import Stack, metric_sum
 from daybreak.serving.sim.server import output_text
+from daybreak.testing.serving_stack import Stack, metric_sum
 
 BLOCK_TOKENS = 16
 

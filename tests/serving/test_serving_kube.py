@@ -14,7 +14,7 @@ import pytest
 
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.serving import kube as skube
-from daybreak.serving.localstack import Stack, metric_sum
+from daybreak.testing.serving_stack import Stack, metric_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "serving-kube"

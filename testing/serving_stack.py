@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daybreak.agent.store.local import LocalAgent, cleanup_pool, free_port
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 HOST = "127.0.0.1"
 
