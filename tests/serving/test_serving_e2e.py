@@ -170,6 +170,13 @@ def serving(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     finally:
         operator.stop()
         cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        # The agents must be gone before later tests run pools on the same nodes: a KVNode is per node,
+        # not per pool, so a report of ours left behind would be summed into their pool's capacity.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and api.get(f"/api/v1/namespaces/{NS}/pods").json().get("items"):
+            time.sleep(0.5)
+        for node in ("daybreak-node-0", "daybreak-node-1"):
+            api.delete(f"/apis/daybreak.dev/v1alpha1/kvnodes/{node}")
         cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", stdin=rbac, check=False)
         api.close()
 
