@@ -137,6 +137,12 @@ class AutoscalingSpec(ApiModel):
     """A scale-up needs the target missed for this long."""
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
     """A scale-down needs the load low for this long."""
+    max_scale_up_step: int = Field(default=4, ge=1, le=1000)
+    """Most replicas one decision adds to a role (fast scale-up)."""
+    max_scale_down_step: int = Field(default=1, ge=1, le=1000)
+    """Most replicas one decision removes from a role (slow scale-down)."""
+    tolerance: float = Field(default=0.1, ge=0, le=1)
+    """Relative dead band around the current replicas in which the estimate changes nothing (no flapping)."""
 
 
 class UpdateStrategy(ApiModel):
@@ -198,6 +204,9 @@ class RoleStatus(ApiModel):
     """Pods that are ready."""
     updated_replicas: int = 0
     """Pods running the current revision."""
+    desired_replicas: int | None = Field(default=None, ge=0)
+    """Replicas the autoscaler decided (within minReplicas..maxReplicas); the operator renders these instead of
+    spec replicas while autoscaling is enabled."""
 
 
 class LastScale(ApiModel):
@@ -213,6 +222,8 @@ class LastScale(ApiModel):
     """Replicas after."""
     reason: str
     """Why (which target was missed or how long the load was low)."""
+    numbers: dict[str, float] = Field(default_factory=dict)
+    """The planner's inputs and estimate behind the decision (arrival rate, uncached tokens, latencies, ...)."""
 
 
 class PDDeploymentStatus(ApiModel):

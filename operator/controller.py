@@ -18,9 +18,11 @@ recognised by their resourceVersion, so they trigger nothing.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, NewType
 
 import kopf
@@ -31,6 +33,7 @@ from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator import pool as pool_mod
+from daybreak.operator.autoscaler import Autoscaler, last_scale
 from daybreak.operator.children import MANAGED_BY, MANAGER, Applier, NotLeader
 from daybreak.operator.conditions import Condition, merge
 from daybreak.operator.events import WARNING, EventRecorder
@@ -49,6 +52,7 @@ from daybreak.operator.kube import (
     KubeError,
     Manifest,
 )
+from daybreak.operator.planner import Decision
 from daybreak.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -94,6 +98,9 @@ class Controller:
         self.generations: dict[Key, int] = {}
         self.pool_of: dict[tuple[str, str], str] = {}  # (ns, pdd) -> pool
         self.last_reconciled: dict[Key, float] = {}  # monotonic time of the last successful full reconcile
+        # Planner decisions waiting for the object's next reconcile (which writes status and applies them).
+        self.pending_scales: dict[tuple[str, str], dict[str, Decision]] = {}
+        self.autoscaler = Autoscaler(self)
         self._tasks: list[asyncio.Task[Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -106,6 +113,7 @@ class Controller:
             self._tasks.append(asyncio.create_task(self._worker(), name=f"daybreak worker {i}"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="daybreak resync"))
         self._tasks.append(asyncio.create_task(self.events.run(), name="daybreak events"))
+        self._tasks.append(asyncio.create_task(self.autoscaler.run(), name="daybreak planner"))
 
     async def stop(self) -> None:
         if self.queue is not None:
@@ -401,6 +409,40 @@ class Controller:
             logger.info("swept agent ClusterRoleBinding name=%s pool=%s", b["metadata"]["name"], ref)
 
     # -- PDDeployment ------------------------------------------------------------------------------
+    def submit_scale(self, ns: str, name: str, decisions: list[Decision]) -> None:
+        """Hand planner decisions to the object's reconcile (one worker per key: no status write races)."""
+        pending = self.pending_scales.setdefault((ns, name), {})
+        for d in decisions:
+            pending[d.role] = d
+        key: Key = (PDD, ns, name)
+        self.needs_apply.add(key)
+        self.queue.add(key)
+
+    def _with_scale(self, ns: str, name: str, body: Manifest) -> Manifest:
+        """The body as the planner wants it: pending decisions (and, after a status loss, the live replicas)
+        written into status.<role>.desiredReplicas, with status.lastScale and an Event per decision."""
+        spec = body.get("spec") or {}
+        pending = self.pending_scales.pop((ns, name), {})
+        if not (spec.get("autoscaling") or {}).get("enabled"):
+            return body
+        body = copy.deepcopy(body)
+        status = body.setdefault("status", {})
+        names = pdd_mod.DeploymentNames(name)
+        for role in pdd_mod.ENGINE_ROLES:
+            role_status = status.setdefault(role.value, {})
+            decision = pending.get(role.value)
+            if decision is not None:
+                role_status["desiredReplicas"] = decision.desired
+                status["lastScale"] = last_scale(decision, when=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                self.events.record(body, reason="Autoscaled",
+                                   message=f"{role.value} {decision.current} -> {decision.desired}: {decision.reason}")
+            elif role_status.get("desiredReplicas") is None:
+                # Status lost or autoscaling just enabled: keep what runs rather than jump back to spec replicas.
+                live = self.children.get(("Deployment", ns, names.role(role)))
+                if live is not None and (live.get("spec") or {}).get("replicas") is not None:
+                    role_status["desiredReplicas"] = int(live["spec"]["replicas"])
+        return body
+
     async def reconcile_pdd(self, ns: str, name: str, *, full: bool) -> str:
         key: Key = (PDD, ns, name)
         body = self.pdds.get((ns, name))
@@ -409,6 +451,8 @@ class Controller:
         if body is None:
             self.applied.discard(key)
             return "gone"
+        stored = body  # what the API holds: status writes compare against it, not the planner's edit
+        body = self._with_scale(ns, name, body)
         try:
             pdd = PDDeployment.from_body(body)
         except ValidationError as exc:
@@ -431,7 +475,7 @@ class Controller:
             if was.get("reason") != "PoolNotFound":
                 self.events.record(body, reason="PoolNotFound", type=WARNING,
                                    message=f"KVPool {pool_name!r} not found in namespace {ns!r}; waiting for it")
-            await self._write_status(key, PDDEPLOYMENT, body, status)
+            await self._write_status(key, PDDEPLOYMENT, stored, status)
             self.needs_apply.add(key)  # apply everything once the pool shows up
             return "waiting"
         try:
@@ -461,7 +505,7 @@ class Controller:
             workloads[Role.ROUTER] = None
         status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
                                 generation=generation)
-        await self._write_status(key, PDDEPLOYMENT, body, status)
+        await self._write_status(key, PDDEPLOYMENT, stored, status)
         return "success"
 
     async def _remove_router(self, ns: str, names: tuple[str, str]) -> None:
@@ -479,7 +523,7 @@ class Controller:
             if prev is None:
                 continue
             was = int((prev.get("spec") or {}).get("replicas") or 0)
-            now = pdd.spec.router.replicas if role == Role.ROUTER else getattr(pdd.spec, role.value).replicas
+            now = pdd.spec.router.replicas if role == Role.ROUTER else pdd_mod.role_replicas(pdd, role)
             if role == Role.ROUTER and not pdd.spec.router.enabled:
                 continue
             if was != now:

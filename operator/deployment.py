@@ -177,6 +177,19 @@ def router_template(pdd: PDDeployment, *, image: str) -> Manifest:
     }
 
 
+def role_replicas(pdd: PDDeployment, role: Role) -> int:
+    """Replicas rendered for an engine role: the planner's decision (status.<role>.desiredReplicas, clamped to the
+    bounds) while autoscaling is enabled, else spec.<role>.replicas. The spec stays the user's; see
+    docs/operations.md for why the planner does not patch it."""
+    role_spec: RoleSpec = getattr(pdd.spec, role.value)
+    if pdd.spec.autoscaling.enabled:
+        decided = getattr(pdd.status, role.value).desired_replicas
+        if decided is not None:
+            low, high = role_spec.bounds
+            return min(max(decided, low), high)
+    return role_spec.replicas
+
+
 def revision(templates: list[Manifest]) -> str:
     """Hash of the engine pod templates: changes exactly when a rollout is needed."""
     return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:10]
@@ -223,8 +236,7 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
     for role in ENGINE_ROLES:
         template = templates[role]
         template["metadata"].setdefault("annotations", {})[REVISION_ANNOTATION] = rev
-        role_spec: RoleSpec = getattr(pdd.spec, role.value)
-        applied.append((role, _workload(pdd, role, names.role(role), role_spec.replicas, template)))
+        applied.append((role, _workload(pdd, role, names.role(role), role_replicas(pdd, role), template)))
         applied.append((role, _service(pdd, role, names.role(role), headless=True)))
     router_deploy = names.role(Role.ROUTER)
     if pdd.spec.router.enabled:
@@ -268,7 +280,7 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
     old = existing or {}
     spec = pdd.spec
     roles = {role: role_status(workloads.get(role)) for role in (*ENGINE_ROLES, Role.ROUTER)}
-    desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas,
+    desired = {Role.PREFILL: role_replicas(pdd, Role.PREFILL), Role.DECODE: role_replicas(pdd, Role.DECODE),
                Role.ROUTER: spec.router.replicas if spec.router.enabled else 0}
     active = [r for r in (*ENGINE_ROLES, Role.ROUTER) if r != Role.ROUTER or spec.router.enabled]
     conds: list[cond.Condition] = []
@@ -319,6 +331,12 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
         "router": roles[Role.ROUTER],
         "kvNamespace": spec.kv_namespace(),
     }
+    for role in ENGINE_ROLES:
+        decided = (old.get(role.value) or {}).get("desiredReplicas")
+        if spec.autoscaling.enabled and decided is not None:
+            result[role.value]["desiredReplicas"] = role_replicas(pdd, role)
+        elif decided is not None:
+            result[role.value]["desiredReplicas"] = None  # merge patch: autoscaling is off, forget the decision
     rev = revision if revision is not None else old.get("revision")
     if rev is not None:
         result["revision"] = rev
