@@ -226,6 +226,23 @@ class LastScale(ApiModel):
     """The planner's inputs and estimate behind the decision (arrival rate, uncached tokens, latencies, ...)."""
 
 
+class KVNamespaceRetirement(ApiModel):
+    """An old kvNamespace being (or last) retired after a rollout changed status.kvNamespace."""
+
+    kv_namespace: str
+    """The namespace no engine of this deployment uses any more."""
+    policy: CachePolicy
+    """updateStrategy.cache when the change was seen."""
+    since: AwareDatetime | None = None
+    """When the new namespace started rolling out."""
+    retired_at: AwareDatetime | None = None
+    """When the last engine of the old namespace was rolled away."""
+    bytes_freed: int | None = Field(default=None, ge=0)
+    """Bytes of the old namespace deleted from the pool (flush only; unset when not flushed)."""
+    message: str = ""
+    """What happened to the old blocks."""
+
+
 class PDDeploymentStatus(ApiModel):
     """Observed state of the deployment, written by the operator."""
 
@@ -245,6 +262,10 @@ class PDDeploymentStatus(ApiModel):
     """Hash of the pod template currently rolled out."""
     last_scale: LastScale | None = None
     """The most recent autoscaling decision."""
+    retiring_kv_namespace: KVNamespaceRetirement | None = None
+    """The previous kvNamespace while a rollout replaces it (decode waits for prefill to roll first)."""
+    retired_kv_namespace: KVNamespaceRetirement | None = None
+    """The most recently retired kvNamespace and what was done with its blocks."""
 
 
 class PDDeployment(CustomResource):

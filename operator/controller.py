@@ -100,6 +100,7 @@ class Controller:
         self.last_reconciled: dict[Key, float] = {}  # monotonic time of the last successful full reconcile
         # Planner decisions waiting for the object's next reconcile (which writes status and applies them).
         self.pending_scales: dict[tuple[str, str], dict[str, Decision]] = {}
+        self.holding: set[Key] = set()  # deployments whose decode waits for prefill's rollout
         self.autoscaler = Autoscaler(self)
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -485,9 +486,13 @@ class Controller:
         names = pdd_mod.DeploymentNames(name)
         roles = (*pdd_mod.ENGINE_ROLES, Role.ROUTER)
         rev = old_status.get("revision")
+        live = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+        hold = pdd_mod.rollout_holds(pdd, live)
+        if not hold and key in self.holding:
+            full = True  # prefill finished rolling to the new namespace: decode may follow now
         if full:
-            desired = pdd_mod.build(pdd, pool, image=self.settings.image)
-            before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+            desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
+            before = live
             results = await self.applier.apply_all(
                 body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
             for result in results:
@@ -503,10 +508,47 @@ class Controller:
         workloads = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
         if not pdd.spec.router.enabled:
             workloads[Role.ROUTER] = None
+        if hold:
+            self.holding.add(key)
+        else:
+            self.holding.discard(key)
         status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
-                                generation=generation)
+                                generation=generation, held=tuple(hold))
+        self._retire_namespace(body, pdd, old_status, status, workloads)
         await self._write_status(key, PDDEPLOYMENT, stored, status)
         return "success"
+
+    def _retire_namespace(self, body: Manifest, pdd: PDDeployment, old: dict[str, Any], status: dict[str, Any],
+                          workloads: dict[Role, Manifest | None]) -> None:
+        """Track the previous kvNamespace through a rollout; once no engine uses it, retire it per
+        updateStrategy.cache (and say so in status and an Event)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        new_ns = pdd.spec.kv_namespace()
+        policy = pdd.spec.update_strategy.cache.value
+        was = old.get("kvNamespace")
+        retiring = old.get("retiringKVNamespace")
+        if was and was != new_ns:
+            if retiring and retiring.get("kvNamespace") != new_ns:
+                self.events.record(body, reason="KVNamespaceSuperseded",
+                                   message=f"kvNamespace {retiring.get('kvNamespace')} replaced again before its "
+                                           f"rollout finished; retiring {was} as well when {new_ns} is rolled out")
+            status["retiringKVNamespace"] = {"kvNamespace": was, "policy": policy, "since": now}
+            self.events.record(body, reason="KVNamespaceChanged",
+                               message=f"kvNamespace {was} -> {new_ns}: prefill rolls first, decode follows; "
+                                       f"each engine reads only its own namespace's blocks")
+            return
+        if not retiring or not pdd_mod.rolled_out(pdd, workloads):
+            return
+        old_ns = str(retiring.get("kvNamespace"))
+        if policy == "flush":
+            message = (f"flush of {old_ns} requested, but the agents have no namespace-wide delete yet: its blocks "
+                       "age out under the pool's watermarks like preserve")
+            self.events.record(body, reason="KVNamespaceFlushUnavailable", message=message, type=WARNING)
+        else:
+            message = f"{old_ns} retired; its blocks stay until the pool's watermarks evict them"
+            self.events.record(body, reason="KVNamespaceRetired", message=message)
+        status["retiredKVNamespace"] = {**retiring, "policy": policy, "retiredAt": now, "message": message}
+        status["retiringKVNamespace"] = None
 
     async def _remove_router(self, ns: str, names: tuple[str, str]) -> None:
         deployment, service = names

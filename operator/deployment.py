@@ -145,7 +145,8 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
     template: dict[str, Any] = {
-        "metadata": {"labels": labels_for(pdd, role),
+        # The namespace label lets a router (or kubectl -L) tell the two generations of a rollout apart.
+        "metadata": {"labels": {**labels_for(pdd, role), KV_NAMESPACE_ANNOTATION: spec.kv_namespace()},
                      "annotations": {KV_NAMESPACE_ANNOTATION: spec.kv_namespace()}},
         "spec": pod_spec,
     }
@@ -190,6 +191,37 @@ def role_replicas(pdd: PDDeployment, role: Role) -> int:
     return role_spec.replicas
 
 
+def template_namespace(workload: Manifest | None) -> str | None:
+    """The kvNamespace a live Deployment's pod template carries (None: no such Deployment yet)."""
+    template = ((workload or {}).get("spec") or {}).get("template") or {}
+    return ((template.get("metadata") or {}).get("annotations") or {}).get(KV_NAMESPACE_ANNOTATION)
+
+
+def rollout_holds(pdd: PDDeployment, live: dict[Role, Manifest | None]) -> dict[Role, Manifest]:
+    """Pod templates to keep as they run now: on a kvNamespace change decode keeps its old template until
+    prefill has rolled out completely to the new namespace, so old prefill never feeds new decode.
+
+    A change that keeps the namespace (image, args, resources) holds nothing: both roles roll at once with
+    maxSurge/maxUnavailable, since any old/new pairing reads the same bytes.
+    """
+    new = pdd.spec.kv_namespace()
+    decode = live.get(Role.DECODE)
+    running = template_namespace(decode)
+    if decode is None or running is None or running == new:
+        return {}
+    prefill = live.get(Role.PREFILL)
+    if template_namespace(prefill) == new and not _rolling(prefill, role_replicas(pdd, Role.PREFILL)):
+        return {}
+    return {Role.DECODE: copy.deepcopy(decode["spec"]["template"])}
+
+
+def rolled_out(pdd: PDDeployment, live: dict[Role, Manifest | None]) -> bool:
+    """Every engine role runs only the current kvNamespace's template and is fully available."""
+    new = pdd.spec.kv_namespace()
+    return all(template_namespace(live.get(r)) == new and not _rolling(live.get(r), role_replicas(pdd, r))
+               for r in ENGINE_ROLES)
+
+
 def revision(templates: list[Manifest]) -> str:
     """Hash of the engine pod templates: changes exactly when a rollout is needed."""
     return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:10]
@@ -228,7 +260,8 @@ def _service(pdd: PDDeployment, role: Role, name: str, *, headless: bool) -> Man
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
 
 
-def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
+def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manifest] | None = None) -> DeploymentChildren:
+    """Every child; ``hold`` maps a role to the live pod template it keeps for now (see ``rollout_holds``)."""
     names = DeploymentNames(pdd.metadata.name or "")
     templates = {role: pod_template(pdd, pool, role, image=image) for role in ENGINE_ROLES}
     rev = revision([templates[r] for r in ENGINE_ROLES])
@@ -236,6 +269,8 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
     for role in ENGINE_ROLES:
         template = templates[role]
         template["metadata"].setdefault("annotations", {})[REVISION_ANNOTATION] = rev
+        if hold and role in hold:
+            template = hold[role]
         applied.append((role, _workload(pdd, role, names.role(role), role_replicas(pdd, role), template)))
         applied.append((role, _service(pdd, role, names.role(role), headless=True)))
     router_deploy = names.role(Role.ROUTER)
@@ -275,8 +310,10 @@ def _failure(workload: Manifest | None) -> str | None:
 
 
 def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Manifest | None],
-           revision: str | None, existing: dict[str, Any] | None, generation: int | None) -> dict[str, Any]:
-    """The PDDeployment's status; ``pool`` None means the referenced pool does not exist."""
+           revision: str | None, existing: dict[str, Any] | None, generation: int | None,
+           held: tuple[Role, ...] = ()) -> dict[str, Any]:
+    """The PDDeployment's status; ``pool`` None means the referenced pool does not exist; ``held`` roles wait
+    for another role's rollout (a kvNamespace change)."""
     old = existing or {}
     spec = pdd.spec
     roles = {role: role_status(workloads.get(role)) for role in (*ENGINE_ROLES, Role.ROUTER)}
@@ -302,6 +339,7 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
             conds.append(cond.Condition("Ready", cond.TRUE, "AllReplicasReady",
                                         ", ".join(f"{r.value} {desired[r]}" for r in active) + " ready"))
         rolling = [r.value for r in active if _rolling(workloads.get(r), desired[r])]
+        rolling += [f"{r.value} (waits for prefill to roll to kvNamespace {spec.kv_namespace()})" for r in held]
         if rolling:
             conds.append(cond.Condition("Progressing", cond.TRUE, "RollingOut",
                                         f"revision {revision} rolling out: {', '.join(rolling)}"))

@@ -7,7 +7,8 @@ and vLLM:
 
 - prefill is sized for time to first token: arrival rate (first tokens per
   second, from the TTFT histogram's count) x uncached prompt tokens per request
-  (prompt tokens minus prefix-cache hits) is the work offered; a pod's prefill
+  (prompt tokens minus prefix-cache hits, engine-local and through the KV
+  connector, i.e. the pool) is the work offered; a pod's prefill
   throughput is learned from the intervals in which it was busy (see
   ``PrefillLearning``). Per pod the model is a single queue: one request alone takes
   S = uncached / throughput, and TTFT ~ S / (1 - utilisation), so meeting the
@@ -50,6 +51,7 @@ E2E = "vllm:e2e_request_latency_seconds"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 CACHE_QUERIES = "vllm:prefix_cache_queries"
 CACHE_HITS = "vllm:prefix_cache_hits"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"  # tokens found through the KV connector (the pool)
 KV_USAGE = "vllm:kv_cache_usage_perc"
 # Engine-local cache value the pool does not hold (sim engine; absent on vLLM, then kv usage stands in).
 LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
@@ -123,6 +125,7 @@ class PodSample:
     prompt_tokens: float | None = None
     cache_queries: float | None = None
     cache_hits: float | None = None
+    external_hits: float | None = None
     kv_usage: float | None = None
     local_only_blocks: float | None = None
 
@@ -166,6 +169,7 @@ def parse_metrics(text: str, *, pod: str, time: float) -> PodSample:
         pod=pod, time=time, running=values[RUNNING], waiting=values[WAITING],
         ttft=histogram(TTFT), itl=histogram(ITL) or histogram(ITL_OLD), e2e=histogram(E2E),
         prompt_tokens=counter(PROMPT_TOKENS), cache_queries=counter(CACHE_QUERIES), cache_hits=counter(CACHE_HITS),
+        external_hits=counter(EXTERNAL_HITS),
         kv_usage=values.get(KV_USAGE), local_only_blocks=values.get(LOCAL_ONLY_BLOCKS),
     )
 
@@ -177,7 +181,7 @@ class PodWindow:
     pod: str
     seconds: float
     requests: float  # first tokens produced (prefill) or requests finished, whichever the engine reports
-    uncached_tokens: float | None  # prompt tokens not served by the engine's prefix cache
+    uncached_tokens: float | None  # prompt tokens computed: neither the engine's prefix cache nor the pool had them
     mean_running: float
     mean_waiting: float
     running_change: float  # running at the end minus at the start
@@ -208,6 +212,8 @@ def window(older: PodSample, newer: PodSample) -> PodWindow | None:
         hits = 0.0
         if newer.cache_hits is not None and older.cache_hits is not None:
             hits = newer.cache_hits - older.cache_hits
+        if newer.external_hits is not None and older.external_hits is not None:
+            hits += newer.external_hits - older.external_hits
         if prompt < 0 or hits < 0:
             return None
         uncached = max(0.0, prompt - hits)
