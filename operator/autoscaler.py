@@ -18,12 +18,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from pydantic import ValidationError
 
-from daybreak.api.pddeployment import PDDeployment
+from daybreak.api.pddeployment import LastScale, PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator.kube import POD, KubeError, Manifest
@@ -168,8 +169,8 @@ class _Done:
 _DONE: Any = _Done()
 
 
-def last_scale(decision: Decision, *, when: str) -> dict[str, Any]:
-    """status.lastScale for a decision (rounded numbers: status is for people)."""
-    return {"time": when, "role": decision.role, "fromReplicas": decision.current, "toReplicas": decision.desired,
-            "reason": decision.reason[:1024],
-            "numbers": {k: round(v, 6) for k, v in decision.numbers.items()}}
+def last_scale(decision: Decision, *, when: datetime) -> dict[str, Any]:
+    """status.lastScale for a decision, through the API model (wire names; numbers rounded: status is for people)."""
+    return LastScale(time=when, role=Role(decision.role), from_replicas=decision.current, to_replicas=decision.desired,
+                     reason=decision.reason[:1024],
+                     numbers={k: round(v, 6) for k, v in decision.numbers.items()}).to_dict()

@@ -434,7 +434,7 @@ class Controller:
             decision = pending.get(role.value)
             if decision is not None:
                 role_status["desiredReplicas"] = decision.desired
-                status["lastScale"] = last_scale(decision, when=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                status["lastScale"] = last_scale(decision, when=datetime.now(UTC).replace(microsecond=0))
                 self.events.record(body, reason="Autoscaled",
                                    message=f"{role.value} {decision.current} -> {decision.desired}: {decision.reason}")
             elif role_status.get("desiredReplicas") is None:
