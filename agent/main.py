@@ -145,7 +145,9 @@ def start_store(settings: AgentSettings) -> Any:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port, registry=server.store.metrics.registry)
+        # On the store's own address: agents of several fake nodes share one host (the local cluster).
+        host = settings.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        start_http_server(settings.metrics_port, addr=host, registry=server.store.metrics.registry)
     server.start()
     stats = server.store.stats()
     log.info("event=ready agent=%s pool=%s blocks=%d dram_bytes=%d peers=%d", server.agent_id, server.pool,

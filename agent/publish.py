@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -157,7 +158,9 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
 
 
 async def load_client(kubeconfig: str) -> k8s_client.ApiClient:
-    """An ApiClient from a kubeconfig file, or the in-cluster ServiceAccount when ``kubeconfig`` is empty."""
+    """An ApiClient from a kubeconfig file (``$KUBECONFIG`` when ``kubeconfig`` is empty), else in-cluster."""
+    # The local process kubelet hands each pod a KUBECONFIG of its ServiceAccount instead of a mounted token.
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG", "")
     configuration = k8s_client.Configuration()
     if kubeconfig:
         await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)

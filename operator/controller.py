@@ -493,6 +493,8 @@ class Controller:
         if full:
             desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
             before = live
+            # The pods' ServiceAccount first: a pod naming a missing one is refused at admission.
+            await self.applier.apply_all(body, [(m, pdd_mod.access_labels(pdd)) for m in desired.access])
             results = await self.applier.apply_all(
                 body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
             for result in results:

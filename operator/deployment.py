@@ -9,7 +9,15 @@ resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (from the pool's
 Secret), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
 preferred first), ``DAYBREAK_ROLE``, ``DAYBREAK_MODEL``,
 ``DAYBREAK_MODEL_REVISION``, ``DAYBREAK_KV_LAYOUT`` (JSON) and
-``DAYBREAK_BLOCK_BYTES``.
+``DAYBREAK_BLOCK_BYTES``, plus the downward-API ``POD_IP``, ``POD_NAME``,
+``POD_NAMESPACE`` and ``NODE_NAME``.
+
+The sim engine and the router find the pool's agents and the role pods
+through the API, not DNS (``--pool-ref``, the role Services' EndpointSlices):
+that works without cluster DNS or kube-proxy, as on the local cluster. They
+run under a per-PDDeployment ServiceAccount whose Role may read exactly that
+(the KVPool by name, EndpointSlices of the namespace). Engine and router pods
+are Ready only once ``GET /health`` answers, that is once they serve.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from daybreak.api.kvcompat import EngineKind
@@ -27,6 +35,17 @@ from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
 from daybreak.operator.pool import TOKEN_KEY, PoolNames, token_secret_name
+
+# The downward API fields every serving pod gets (engines and the router bind $(POD_IP)).
+DOWNWARD_ENV: list[dict[str, Any]] = [
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+]
+# Ready means serving: the sim engine and the router answer 200 here once up, 503 while draining.
+HEALTH_PROBE: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
+                                "failureThreshold": 2, "timeoutSeconds": 2}
 
 ENGINE_APP = "daybreak-engine"
 ROUTER_APP = "daybreak-router"
@@ -49,6 +68,11 @@ class DeploymentNames:
         """The entry point users send requests to."""
         return dns_name(self.pdd)
 
+    @property
+    def serving_account(self) -> str:
+        """ServiceAccount, Role and RoleBinding of the engine and router pods."""
+        return dns_name(self.pdd, "serving")
+
 
 def labels_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
     name = pdd.metadata.name or ""
@@ -62,13 +86,20 @@ def selector_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
     return {k: full[k] for k in ("daybreak.dev/deployment", "daybreak.dev/role")}
 
 
+def pool_ref(pool: KVPool) -> str:
+    """``namespace/name`` of the pool, as ``--pool-ref`` takes it."""
+    return f"{pool.metadata.namespace}/{pool.metadata.name}"
+
+
 def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
     spec = pdd.spec
     layout = spec.model.kv_layout
     pool_names = PoolNames(pool.metadata.name or "", pool.metadata.namespace or "")
     env: list[dict[str, Any]] = [
+        *DOWNWARD_ENV,
         {"name": "DAYBREAK_ROLE", "value": role.value},
         {"name": "DAYBREAK_POOL", "value": pool.metadata.name},
+        {"name": "DAYBREAK_POOL_REF", "value": pool_ref(pool)},
         {"name": "DAYBREAK_POOL_ENDPOINTS", "value": f"{pool_names.service_host()}:{pool.spec.agent.port}"},
         {"name": "DAYBREAK_POOL_TOKEN",
          "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
@@ -93,7 +124,9 @@ def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
     spec = pdd.spec
     kind = EngineKind(spec.engine.kind)
     if kind == EngineKind.SIM:
-        base = ["daybreak", "sim-engine", "--role", role.value]
+        # The pool's agents come from its published endpoints (no DNS needed); the rest from the env.
+        base = ["daybreak", "sim-engine", "--role", role.value, "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
+                "--pool-ref", f"{pdd.metadata.namespace}/{spec.pool_ref.name}"]
     elif kind == EngineKind.VLLM:
         base = ["vllm", "serve", spec.model.name, "--revision", spec.model.revision, "--port", str(ENGINE_PORT)]
     else:
@@ -133,11 +166,12 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
         "command": engine_command(pdd, role),
         "env": engine_env(pdd, pool, role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "readinessProbe": copy.deepcopy(HEALTH_PROBE),
     }
     if role_spec.resources is not None:
         container["resources"] = role_spec.resources.to_dict()
-    pod_spec: dict[str, Any] = {"containers": [container]}
+    pod_spec: dict[str, Any] = {"serviceAccountName": DeploymentNames(pdd.metadata.name or "").serving_account,
+                                "containers": [container]}
     if Transport.SHM in pool.spec.transport.preference:
         # Same-node zero copy: the agent's DRAM segments live in the host's /dev/shm.
         pod_spec["volumes"] = [{"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]
@@ -157,23 +191,30 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
     return template
 
 
-def router_template(pdd: PDDeployment, *, image: str) -> Manifest:
+def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
     names = DeploymentNames(pdd.metadata.name or "")
-    ns = pdd.metadata.namespace
+    ns = pdd.metadata.namespace or ""
+    layout = pdd.spec.model.kv_layout
     return {
         "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
-        "spec": {"containers": [{
+        "spec": {"serviceAccountName": names.serving_account, "containers": [{
             "name": "router",
             "image": image,
-            "command": ["daybreak", "router", "--port", str(ENGINE_PORT)],
+            # Engines from the role Services' EndpointSlices (ready pods only), the pool from its status.
+            "command": ["daybreak", "router", "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
+                        "--namespace", ns, "--prefill-service", names.role(Role.PREFILL),
+                        "--decode-service", names.role(Role.DECODE), "--pool-ref", pool_ref(pool)],
             "env": [
-                {"name": "DAYBREAK_PREFILL_ENDPOINTS", "value": f"{names.role(Role.PREFILL)}.{ns}.svc:{ENGINE_PORT}"},
-                {"name": "DAYBREAK_DECODE_ENDPOINTS", "value": f"{names.role(Role.DECODE)}.{ns}.svc:{ENGINE_PORT}"},
+                *DOWNWARD_ENV,
+                {"name": "DAYBREAK_POOL_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
                 {"name": "DAYBREAK_KV_NAMESPACE", "value": pdd.spec.kv_namespace()},
+                {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
+                {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
                 {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
             ],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-            "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+            "readinessProbe": copy.deepcopy(HEALTH_PROBE),
         }]},
     }
 
@@ -222,6 +263,34 @@ def rolled_out(pdd: PDDeployment, live: dict[Role, Manifest | None]) -> bool:
                for r in ENGINE_ROLES)
 
 
+def serving_access(pdd: PDDeployment) -> list[Manifest]:
+    """ServiceAccount, Role and RoleBinding of the engine and router pods: read the pool, list EndpointSlices.
+
+    The operator must hold these rights itself to grant them (the chart's ClusterRole does).
+    """
+    names = DeploymentNames(pdd.metadata.name or "")
+    account = names.serving_account
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": account},
+         "rules": [
+             {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [pdd.spec.pool_ref.name],
+              "verbs": ["get"]},
+             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+         ]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": account},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": pdd.metadata.namespace}]},
+    ]
+
+
+def access_labels(pdd: PDDeployment) -> dict[str, str]:
+    """Labels of the serving RBAC children (no role: engines and router share them)."""
+    name = pdd.metadata.name or ""
+    return standard_labels(name=ENGINE_APP, instance=dns_name(name), component="serving",
+                           pool=dns_name(pdd.spec.pool_ref.name), deployment=dns_name(name))
+
+
 def revision(templates: list[Manifest]) -> str:
     """Hash of the engine pod templates: changes exactly when a rollout is needed."""
     return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()[:10]
@@ -232,6 +301,7 @@ class DeploymentChildren:
     applied: list[tuple[Role, Manifest]]  # (role whose labels it carries, manifest), in apply order
     revision: str
     router_names: tuple[str, str]  # (Deployment, Service), to delete when the router is disabled
+    access: list[Manifest] = field(default_factory=list)  # applied first: the pods' ServiceAccount and rights
 
 
 def _workload(pdd: PDDeployment, role: Role, name: str, replicas: int, template: Manifest) -> Manifest:
@@ -276,9 +346,10 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manif
     router_deploy = names.role(Role.ROUTER)
     if pdd.spec.router.enabled:
         applied.append((Role.ROUTER, _workload(pdd, Role.ROUTER, router_deploy, pdd.spec.router.replicas,
-                                               router_template(pdd, image=image))))
+                                               router_template(pdd, pool, image=image))))
         applied.append((Role.ROUTER, _service(pdd, Role.ROUTER, names.router_service, headless=False)))
-    return DeploymentChildren(applied=applied, revision=rev, router_names=(router_deploy, names.router_service))
+    return DeploymentChildren(applied=applied, revision=rev, router_names=(router_deploy, names.router_service),
+                              access=serving_access(pdd))
 
 
 # -- status -----------------------------------------------------------------------------------

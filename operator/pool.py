@@ -258,6 +258,9 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
             {"name": "DAYBREAK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # hostNetwork: the pod IP is the node's address, which peers and engines dial.
             {"name": "DAYBREAK_ADVERTISE", "value": f"$(DAYBREAK_POD_IP):{spec.agent.port}"},
+            # ...and the one it listens on (store and metrics): several fake nodes of the local cluster
+            # share one host, each on its own loopback address.
+            {"name": "DAYBREAK_LISTEN", "value": f"$(DAYBREAK_POD_IP):{spec.agent.port}"},
         ],
         "ports": [{"name": "store", "containerPort": spec.agent.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],

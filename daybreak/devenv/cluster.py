@@ -5,7 +5,10 @@ containers: every component is a binary from ``daybreak.devenv.tools``
 started with its own log file under the cluster directory. kwok plays the
 kubelets, so pods scheduled to the fake nodes become Running and node
 Leases stay fresh (without them the node-lifecycle controller would taint
-the nodes and evict everything after ~40 s).
+the nodes and evict everything after ~40 s). With ``process_kubelet`` (the
+default) pods whose container runs ``daybreak`` are not kwok's: the process
+kubelet (``daybreak.devenv.kubelet``) runs them as real local processes, each
+on its own loopback address, every fake node on its own 127.0.1.N.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import yaml
 
+from daybreak.devenv import kubelet as kubelet_mod
 from daybreak.devenv import pki as pki_mod
 from daybreak.devenv import tools
 
@@ -49,6 +54,8 @@ class ClusterSpec:
     accelerator: str = "sunrise"
     controllers: bool = True
     kwok: bool = True
+    # Run pods whose container command is `daybreak` as real processes (needs kwok and the controllers).
+    process_kubelet: bool = True
 
 
 @dataclass
@@ -94,6 +101,7 @@ class LocalCluster:
         self._components: list[_Component] = []
         self.apiserver_port = 0
         self.kubeconfig = self.directory / "kubeconfig"
+        self.kubelet: kubelet_mod.ProcessKubelet | None = None
 
     # -- public -----------------------------------------------------------------
     @property
@@ -120,13 +128,21 @@ class LocalCluster:
             if self.spec.kwok:
                 self._start_kwok(binaries["kwok"])
                 self.create_fake_nodes(self.spec.nodes, deadline=deadline)
+                if self.spec.process_kubelet and self.spec.controllers:
+                    self.kubelet = kubelet_mod.ProcessKubelet(
+                        directory=self.directory, server=self.server, ca_cert=Path(self.pki.ca_cert),
+                        api_factory=self.api, fake_node_annotation=FAKE_NODE_ANNOTATION,
+                        progress=self.progress).start()
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
-        """Stop every component, newest first; safe to call twice."""
+        """Stop the process kubelet's pods, then every component, newest first; safe to call twice."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+            self.kubelet = None
         for component in reversed(self._components):
             _terminate(component, grace=10)
         self._components.clear()
@@ -172,10 +188,15 @@ class LocalCluster:
     def create_fake_nodes(self, count: int, *, deadline: float | None = None, start_index: int = 0) -> list[str]:
         """Create ``count`` kwok-managed nodes with fake accelerators and wait until they are Ready."""
         deadline = deadline or time.monotonic() + 60
-        names = [f"daybreak-node-{i}" for i in range(start_index, start_index + count)]
+        indices = range(start_index, start_index + count)
+        names = [f"daybreak-node-{i}" for i in indices]
         with self.api() as api:
-            for name in names:
-                resp = api.post("/api/v1/nodes", json=fake_node(name, self.spec))
+            for i, name in zip(indices, names, strict=True):
+                if self.spec.devices_per_node > 0:  # what a real agent on this node discovers
+                    kubelet_mod.write_fake_sysfs(kubelet_mod.node_dir(self.directory, name) / "sys",
+                                                 accelerator=self.spec.accelerator, count=self.spec.devices_per_node)
+                resp = api.post("/api/v1/nodes", json=fake_node(name, self.spec,
+                                                                address=kubelet_mod.node_address(i)))
                 if resp.status_code not in (201, 409):
                     raise ClusterError(f"creating node {name}: {resp.status_code} {resp.text}")
             self.progress(f"waiting for {count} fake node(s) to become Ready")
@@ -309,18 +330,37 @@ class LocalCluster:
         # Pods are admitted only once the ServiceAccount controller made the default account.
         self._wait("the controller-manager (default ServiceAccount)", default_sa, deadline)
 
+    def _kwok_stages(self) -> list[Path]:
+        """kwok's stages; with the process kubelet, its Pod stages skip the pods that kubelet runs."""
+        stages = sorted(tools.share_dir("kwok").glob("*.yaml"))
+        if not self.spec.process_kubelet:
+            return stages
+        out_dir = self.directory / "kwok-stages"
+        out_dir.mkdir(exist_ok=True)
+        out = []
+        for stage in stages:
+            doc = yaml.safe_load(stage.read_text())
+            if ((doc.get("spec") or {}).get("resourceRef") or {}).get("kind") == "Pod":
+                selector = doc["spec"].setdefault("selector", {})
+                selector.setdefault("matchExpressions", []).append(dict(kubelet_mod.KWOK_EXCLUSION))
+            target = out_dir / stage.name
+            target.write_text(yaml.safe_dump(doc, sort_keys=False))
+            out.append(target)
+        return out
+
     def _start_kwok(self, binary: Path) -> None:
+        # kwok's own pods keep addresses outside 127/8: loopback addresses cannot be EndpointSlice IPs.
         self._spawn("kwok", [
             str(binary), f"--kubeconfig={self.kubeconfig}",
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
             f"--server-address=127.0.0.1:{free_port()}", "--node-ip=10.0.1.1", "--cidr=10.0.2.0/24",
             "--node-lease-duration-seconds=40",
-            *(f"--config={stage}" for stage in sorted(tools.share_dir("kwok").glob("*.yaml"))),
+            *(f"--config={stage}" for stage in self._kwok_stages()),
         ])
 
 
-def fake_node(name: str, spec: ClusterSpec) -> dict[str, Any]:
-    """A kwok-managed Node with fake accelerator capacity and labels."""
+def fake_node(name: str, spec: ClusterSpec, *, address: str | None = None) -> dict[str, Any]:
+    """A kwok-managed Node with fake accelerator capacity and labels (and ``address`` as its InternalIP)."""
     capacity: dict[str, str] = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
     labels = {
         "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
@@ -335,6 +375,8 @@ def fake_node(name: str, spec: ClusterSpec) -> dict[str, Any]:
         "metadata": {"name": name, "labels": labels, "annotations": {FAKE_NODE_ANNOTATION: "fake"}},
         "spec": {},
         "status": {"capacity": capacity, "allocatable": capacity, "phase": "Running",
+                   **({"addresses": [{"type": "InternalIP", "address": address},
+                                     {"type": "Hostname", "address": name}]} if address else {}),
                    "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": "fake",
                                 "kubeProxyVersion": "fake", "containerRuntimeVersion": "kwok",
                                 "kernelVersion": "", "osImage": "", "bootID": "", "machineID": "",

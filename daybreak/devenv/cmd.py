@@ -3,6 +3,7 @@
 ``dev up`` starts a supervisor process (``dev _serve``) in its own session,
 waits until it reports the cluster ready in ``state.json``, prints how to
 use it and returns. ``dev down`` asks the supervisor to stop everything.
+``dev logs POD`` prints what a pod the process kubelet runs wrote.
 """
 
 from __future__ import annotations
@@ -36,16 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--devices-per-node", type=int, default=8, help="fake accelerators per node (%(default)s)")
         p.add_argument("--accelerator", choices=["sunrise", "nvidia"], default="sunrise")
         p.add_argument("--no-kwok", action="store_true", help="no fake nodes (etcd, apiserver, controllers only)")
+        p.add_argument("--no-process-kubelet", action="store_true",
+                       help="kwok fakes every pod; `daybreak` pods are not started as local processes")
         p.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for readiness")
     d = sub.add_parser("down", help="stop the local cluster")
     d.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     d.add_argument("--purge", action="store_true", help="also delete the state directory")
     s = sub.add_parser("status", help="print the running cluster's state")
     s.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    # Hidden: the process kubelet's tests run this as a pod (probes, exit codes, SIGTERM handling).
+    tp = sub.add_parser("_testpod", help=argparse.SUPPRESS)
+    tp.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
+    tp.add_argument("--port", type=int, default=8080)
+    tp.add_argument("--ready-after", type=float, default=0.0, help="seconds before /health answers 200")
+    tp.add_argument("--exit-after", type=float, default=0.0, help="exit this many seconds after start (0: never)")
+    tp.add_argument("--exit-code", type=int, default=0)
+    tp.add_argument("--term-delay", type=float, default=0.0, help="seconds to keep running after SIGTERM")
+    lg = sub.add_parser("logs", help="print the log of a pod the process kubelet runs")
+    lg.add_argument("pod", help="pod name")
+    lg.add_argument("-n", "--namespace", default="default")
+    lg.add_argument("-c", "--container", help="container name (default: every container)")
+    lg.add_argument("--dir", type=Path, default=DEFAULT_DIR)
 
 
 def run(args: argparse.Namespace) -> int:
-    handler = {"tools": _tools, "up": _up, "_serve": _serve, "down": _down, "status": _status}[args.dev_command]
+    handler = {"tools": _tools, "up": _up, "_serve": _serve, "down": _down, "status": _status,
+               "logs": _logs, "_testpod": _testpod}[args.dev_command]
     return handler(args)
 
 
@@ -87,7 +104,7 @@ def _alive(pid: int) -> bool:
 
 def _spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(nodes=args.nodes, devices_per_node=args.devices_per_node, accelerator=args.accelerator,
-                       controllers=True, kwok=not args.no_kwok)
+                       controllers=True, kwok=not args.no_kwok, process_kubelet=not args.no_process_kubelet)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -107,7 +124,8 @@ def _up(args: argparse.Namespace) -> int:
     _state_file(directory).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "daybreak", "dev", "_serve", "--dir", str(directory), "--nodes", str(args.nodes),
            "--devices-per-node", str(args.devices_per_node), "--accelerator", args.accelerator,
-           "--timeout", str(args.timeout)] + (["--no-kwok"] if args.no_kwok else [])
+           "--timeout", str(args.timeout)] + (["--no-kwok"] if args.no_kwok else []) + (
+               ["--no-process-kubelet"] if args.no_process_kubelet else [])
     with open(directory / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -203,3 +221,63 @@ def _status(args: argparse.Namespace) -> int:
     alive = _alive(state.get("supervisor_pid", 0))
     print(json.dumps({**state, "supervisor_alive": alive}, indent=2))
     return 0 if alive and state.get("status") == "ready" else 1
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from daybreak.devenv.kubelet import iter_logs
+
+    directory = args.dir.resolve()
+    files = [f for f in iter_logs(directory, namespace=args.namespace, pod=args.pod)
+             if args.container is None or f.stem == args.container]
+    if not files:
+        what = f"container {args.container!r} of " if args.container else ""
+        print(f"error: no log of {what}pod {args.namespace}/{args.pod} under {directory / 'pods'} (only pods "
+              "the process kubelet runs have logs; `kubectl get pods -o wide` lists them)", file=sys.stderr)
+        return 1
+    for f in files:
+        if len(files) > 1:
+            print(f"==> {f.stem} <==", flush=True)
+        sys.stdout.buffer.write(f.read_bytes())
+        sys.stdout.flush()
+    return 0
+
+
+def _testpod(args: argparse.Namespace) -> int:
+    """A tiny HTTP server for the process kubelet's tests: /health, /env; exits and handles SIGTERM as told."""
+    import http.server
+
+    started = time.monotonic()
+    term = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                ok = time.monotonic() - started >= args.ready_after and not term.is_set()
+                body, code = (b"ok\n", 200) if ok else (b"not ready\n", 503)
+            elif self.path == "/env":
+                keys = ("POD_IP", "POD_NAME", "POD_NAMESPACE", "NODE_NAME", "KUBECONFIG", "DAYBREAK_SHM_DIR")
+                body, code = json.dumps({k: os.environ.get(k) for k in keys}).encode(), 200
+            else:
+                body, code = b"not found\n", 404
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *a: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
+    signal.signal(signal.SIGTERM, lambda *_: term.set())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print(f"testpod serving on {args.host}:{args.port} pid={os.getpid()}", flush=True)
+    while not term.is_set():
+        if args.exit_after and time.monotonic() - started >= args.exit_after:
+            print(f"testpod exiting with {args.exit_code}", flush=True)
+            return int(args.exit_code)
+        term.wait(0.05)
+    print("testpod got SIGTERM", flush=True)
+    time.sleep(args.term_delay)
+    print("testpod stopped", flush=True)
+    server.shutdown()
+    return 0

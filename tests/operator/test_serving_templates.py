@@ -1,0 +1,144 @@
+"""The operator's serving pod templates: the commands, flags and env the sim engine and router need, their rights."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daybreak.api.kvpool import KVPool
+from daybreak.api.pddeployment import PDDeployment, Role
+from daybreak.devenv import tools
+from daybreak.operator import deployment as pdd_mod
+from daybreak.operator import pool as pool_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "example.test/daybreak:1"
+
+
+def _load(name: str) -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "examples" / name).read_text())
+    body["metadata"].update({"namespace": "ns1", "uid": "uid-1", "generation": 3})
+    return dict(body)
+
+
+def _pool(**spec: Any) -> KVPool:
+    body = _load("kvpool-minimal.yaml")
+    body["spec"].update(spec)
+    return KVPool.from_body(body)
+
+
+def _pdd() -> PDDeployment:
+    return PDDeployment.from_body(_load("pddeployment-sim.yaml"))
+
+
+def _workload(out: pdd_mod.DeploymentChildren, role: Role) -> dict[str, Any]:
+    return next(m for r, m in out.applied if r == role and m["kind"] == "Deployment")
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    return dict(workload["spec"]["template"]["spec"]["containers"][0])
+
+
+def _refs_defined_before_use(container: dict[str, Any]) -> list[str]:
+    """Every $(VAR) in command, args and env values names a variable defined earlier in env (kubelet rule)."""
+    defined: set[str] = set()
+    bad = []
+    for item in container.get("env") or []:
+        for ref in re.findall(r"\$\(([^)]+)\)", str(item.get("value") or "")):
+            if ref not in defined:
+                bad.append(f"env {item['name']} uses $({ref})")
+        defined.add(item["name"])
+    for word in [*(container.get("command") or []), *(container.get("args") or [])]:
+        bad += [f"command uses $({ref})" for ref in re.findall(r"\$\(([^)]+)\)", word) if ref not in defined]
+    return bad
+
+
+def test_sim_engines_find_the_pool_through_the_api_and_are_ready_only_when_they_serve() -> None:
+    pdd, pool = _pdd(), _pool()
+    out = pdd_mod.build(pdd, pool, image=IMAGE)
+    for role in (Role.PREFILL, Role.DECODE):
+        workload = _workload(out, role)
+        container = _container(workload)
+        command = container["command"]
+        assert command[:4] == ["daybreak", "sim-engine", "--role", role.value]
+        flags = dict(zip(command[4::2], command[5::2], strict=True))
+        assert flags == {"--host": "$(POD_IP)", "--port": "8000", "--pool-ref": "ns1/kv-minimal"}
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert {"POD_NAME", "POD_NAMESPACE", "NODE_NAME"} <= env.keys()
+        assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kv-minimal-token",
+                                                                            "key": "token"}}
+        assert env["DAYBREAK_KV_NAMESPACE"]["value"] == pdd.spec.kv_namespace()
+        assert json.loads(env["DAYBREAK_KV_LAYOUT"]["value"]) == pdd.spec.model.kv_layout.to_dict()
+        assert env["DAYBREAK_ROLE"]["value"] == role.value
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert workload["spec"]["template"]["spec"]["serviceAccountName"] == "sim-llama-serving"
+        assert _refs_defined_before_use(container) == []
+
+
+def test_the_router_discovers_engines_from_endpointslices_and_takes_the_pools_secret() -> None:
+    pdd = _pdd()
+    pool = _pool(auth={"secretRef": {"name": "my-token"}})
+    router = _workload(pdd_mod.build(pdd, pool, image=IMAGE), Role.ROUTER)
+    container = _container(router)
+    command = container["command"]
+    assert command[:2] == ["daybreak", "router"]
+    flags = dict(zip(command[2::2], command[3::2], strict=True))
+    assert flags == {"--host": "$(POD_IP)", "--port": "8000", "--namespace": "ns1",
+                     "--prefill-service": "sim-llama-prefill", "--decode-service": "sim-llama-decode",
+                     "--pool-ref": "ns1/kv-minimal"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "my-token", "key": "token"}}
+    assert env["DAYBREAK_KV_NAMESPACE"]["value"] == pdd.spec.kv_namespace()
+    assert json.loads(env["DAYBREAK_KV_LAYOUT"]["value"]) == pdd.spec.model.kv_layout.to_dict()
+    # No DNS on the data path: nothing names a Service host.
+    assert not [e for e in env.values() if ".svc" in str(e.get("value") or "")]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "sim-llama-serving"
+    assert _refs_defined_before_use(container) == []
+
+
+def test_serving_pods_may_read_their_pool_and_endpointslices_and_nothing_else() -> None:
+    out = pdd_mod.build(_pdd(), _pool(), image=IMAGE)
+    by_kind = {m["kind"]: m for m in out.access}
+    assert [m["kind"] for m in out.access] == ["ServiceAccount", "Role", "RoleBinding"]
+    assert {m["metadata"]["name"] for m in out.access} == {"sim-llama-serving"}
+    assert by_kind["Role"]["rules"] == [
+        {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": ["kv-minimal"], "verbs": ["get"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+    ]
+    assert by_kind["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "sim-llama-serving",
+                                                   "namespace": "ns1"}]
+    labels = pdd_mod.access_labels(_pdd())
+    assert labels["daybreak.dev/deployment"] == "sim-llama" and "daybreak.dev/role" not in labels
+
+
+def test_the_charts_operator_role_holds_every_right_it_grants_serving_pods() -> None:
+    """RBAC refuses a Role granting what its creator lacks: the chart's ClusterRole must cover the serving Role."""
+    text = subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
+                           "--kube-version", "1.37.2", "--show-only", "templates/rbac.yaml"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout
+    operator_role = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "ClusterRole")
+    held = operator_role["rules"]
+    granted = next(m for m in pdd_mod.build(_pdd(), _pool(), image=IMAGE).access if m["kind"] == "Role")["rules"]
+    for rule in granted:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert any(group in h["apiGroups"] and resource in h["resources"] and verb in h["verbs"]
+                               and not h.get("resourceNames") for h in held), (group, resource, verb)
+
+
+def test_agents_listen_on_their_own_address_so_fake_nodes_can_share_a_host() -> None:
+    pool = _pool()
+    ds = next(m for m in pool_mod.build(pool, image=IMAGE, metrics_port=9464).applied if m["kind"] == "DaemonSet")
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DAYBREAK_LISTEN"]["value"] == "$(DAYBREAK_POD_IP):7400"
+    assert env["DAYBREAK_ADVERTISE"]["value"] == "$(DAYBREAK_POD_IP):7400"
+    assert _refs_defined_before_use(container) == []
