@@ -1,0 +1,286 @@
+"""``daybreak sim-engine``: a simulated prefill/decode engine that serves OpenAI HTTP and moves real KV.
+
+Settings come from flags, each with an environment fallback so the operator's
+pod env works unchanged (``DAYBREAK_ROLE``, ``DAYBREAK_POOL_ENDPOINTS``,
+``DAYBREAK_POOL_TOKEN``, ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_KV_LAYOUT``,
+``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_MODEL``, ``POD_IP``); they are gathered
+in one ``Settings`` object, printed at start-up. See docs/serving.md.
+
+SIGTERM drains: ``/health`` turns 503 at once, accepted requests finish, then
+the process exits 0. A second SIGTERM, or ``--drain-seconds`` passing, exits
+at once with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from daybreak.api.kvcompat import KVLayout
+from daybreak.client import KVPoolClient, KVPoolError
+from daybreak.serving.sim.costmodel import CostModel, knob_names
+from daybreak.serving.sim.engine import Engine, EngineConfig, Role
+from daybreak.serving.sim.kv import PoolIO
+from daybreak.serving.sim.metrics import PromMetrics
+from daybreak.serving.sim.server import SimServer
+
+log = logging.getLogger(__name__)
+
+# The example deployment's model (examples/): Llama-3.1-8B, 16-token bf16 blocks of 2 MiB.
+DEFAULT_LAYOUT = {"numLayers": 32, "numKVHeads": 8, "headDim": 128, "dtype": "bfloat16", "blockTokens": 16}
+
+
+def _env(*names: str, default: str | None = None) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one sim engine process runs with."""
+
+    host: str
+    port: int
+    role: Role
+    model: str
+    kv_namespace: str
+    layout: KVLayout
+    block_bytes: int
+    pool_endpoints: list[str] = field(default_factory=list)
+    pool_ref: str = ""
+    token: str = field(default="", repr=False)
+    no_pool: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_model_len: int = 131072
+    drain_seconds: float = 30.0
+    pool_workers: int = 4
+
+    def describe(self) -> str:
+        """One log line of key=value pairs (the token left out)."""
+        cost = " ".join(f"{k}={getattr(self.engine.cost, k)}" for k in knob_names())
+        return (f"host={self.host} port={self.port} role={self.role.value} model={self.model} "
+                f"kv_namespace={self.kv_namespace} block_tokens={self.layout.block_tokens} "
+                f"block_bytes={self.block_bytes} model_block_bytes={self.layout.bytes_per_block} "
+                f"pool={'none' if self.no_pool else (self.pool_ref or ','.join(self.pool_endpoints))} "
+                f"max_batch={self.engine.max_batch} max_step_tokens={self.engine.max_step_tokens} "
+                f"local_cache_blocks={self.engine.local_cache_blocks} {cost}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sim engine's flags (defaults from the environment where the operator sets it)."""
+    parser.add_argument("--host", default=_env("POD_IP", "DAYBREAK_POD_IP", default="127.0.0.1"),
+                        help="address to listen on (default $POD_IP, else 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=int(_env("DAYBREAK_ENGINE_PORT", default="8000") or 8000),
+                        help="HTTP port (default 8000)")
+    parser.add_argument("--role", choices=[r.value for r in Role], default=_env("DAYBREAK_ROLE", default="both"),
+                        help="prefill (kv producer), decode (kv consumer) or both ($DAYBREAK_ROLE)")
+    parser.add_argument("--model", default=_env("DAYBREAK_MODEL", default="sim"),
+                        help="model name served and used as the metrics' model_name ($DAYBREAK_MODEL)")
+    parser.add_argument("--pool-endpoints", default=_env("DAYBREAK_POOL_ENDPOINTS", default=""),
+                        help="comma list of pool agents host:port ($DAYBREAK_POOL_ENDPOINTS)")
+    parser.add_argument("--pool-ref", default="", metavar="NS/NAME",
+                        help="read the agents from KVPool NS/NAME's status.endpoints through the API")
+    parser.add_argument("--token", default=_env("DAYBREAK_POOL_TOKEN", default=""),
+                        help="pool token ($DAYBREAK_POOL_TOKEN); prefer --token-file")
+    parser.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE", default=""),
+                        help="file holding the pool token")
+    parser.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE", default="sim"),
+                        help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE)")
+    parser.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT", default=json.dumps(DEFAULT_LAYOUT)),
+                        help="kvLayout as JSON ($DAYBREAK_KV_LAYOUT; default Llama-3.1-8B, 16-token blocks)")
+    parser.add_argument("--block-bytes", type=int, default=int(_env("DAYBREAK_BLOCK_BYTES", default="0") or 0),
+                        help="bytes per block actually moved (default: the layout's; smaller scales KV down "
+                             "for tests and benchmarks, the cost model still charges the layout's size)")
+    parser.add_argument("--no-pool", action="store_true",
+                        help="run without a pool: the engine-local prefix cache only (benchmark baseline)")
+    defaults = EngineConfig()
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                        help=f"running sequences at most (default {defaults.max_batch})")
+    parser.add_argument("--max-step-tokens", type=int, default=defaults.max_step_tokens,
+                        help=f"token budget of one step, the chunked-prefill size (default {defaults.max_step_tokens})")
+    parser.add_argument("--local-cache-blocks", type=int, default=defaults.local_cache_blocks,
+                        help=f"engine-local prefix cache capacity in blocks (default {defaults.local_cache_blocks})")
+    parser.add_argument("--max-model-len", type=int, default=131072, help="longest prompt accepted, in tokens")
+    parser.add_argument("--drain-seconds", type=float, default=30.0,
+                        help="on SIGTERM, wait this long for in-flight requests before exiting anyway")
+    parser.add_argument("--pool-workers", type=int, default=4, help="parallel pool clients (threads)")
+    cost = CostModel()
+    for name in knob_names():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=float, default=getattr(cost, name), dest=f"cost_{name}",
+                            help=f"cost model: {name} (default {getattr(cost, name)})")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Validate the flags into ``Settings``; raises ValueError saying which flag to fix."""
+    try:
+        layout = KVLayout.model_validate(json.loads(args.kv_layout))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--kv-layout: not a valid kvLayout JSON object ({exc})") from None
+    block_bytes = args.block_bytes or layout.bytes_per_block
+    if block_bytes < 1 or block_bytes > 1 << 30:
+        raise ValueError(f"--block-bytes: {block_bytes} is outside 1..1Gi")
+    token = args.token
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--token-file: cannot read {args.token_file}: {exc}") from None
+    endpoints = [e.strip() for e in args.pool_endpoints.split(",") if e.strip()]
+    if args.pool_ref and args.pool_ref.count("/") != 1:
+        raise ValueError(f"--pool-ref: give NAMESPACE/NAME, got {args.pool_ref!r}")
+    if not args.no_pool:
+        if not endpoints and not args.pool_ref:
+            raise ValueError("no pool: give --pool-endpoints (or $DAYBREAK_POOL_ENDPOINTS) or --pool-ref, "
+                             "or --no-pool to run with the engine-local cache only")
+        if not token:
+            raise ValueError("no pool token: give --token-file, --token or $DAYBREAK_POOL_TOKEN")
+    cost = CostModel(**{name: getattr(args, f"cost_{name}") for name in knob_names()})
+    engine = EngineConfig(role=Role(args.role), namespace=args.kv_namespace, block_tokens=layout.block_tokens,
+                          block_bytes=block_bytes, model_block_bytes=layout.bytes_per_block,
+                          max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
+                          local_cache_blocks=args.local_cache_blocks, cost=cost)
+    if args.pool_workers < 1:
+        raise ValueError("--pool-workers must be at least 1")
+    return Settings(host=args.host, port=args.port, role=Role(args.role), model=args.model,
+                    kv_namespace=args.kv_namespace, layout=layout, block_bytes=block_bytes,
+                    pool_endpoints=endpoints, pool_ref=args.pool_ref, token=token, no_pool=args.no_pool,
+                    engine=engine, max_model_len=args.max_model_len, drain_seconds=args.drain_seconds,
+                    pool_workers=args.pool_workers)
+
+
+async def _resolve_endpoints(settings: Settings) -> list[str]:
+    if not settings.pool_ref:
+        return settings.pool_endpoints
+    from daybreak.serving import kube  # the Kubernetes client is loaded only when asked for
+
+    namespace, name = settings.pool_ref.split("/")
+    api = await kube.load_api()
+    try:
+        return await kube.pool_endpoints(api, namespace=namespace, pool=name)
+    finally:
+        await api.close()
+
+
+async def _connect_pool(settings: Settings, stop: asyncio.Event) -> PoolIO | None:
+    """The pool, retried until an agent answers (the pool may start after the engine), or None on stop."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            endpoints = await _resolve_endpoints(settings)
+            if not endpoints:
+                raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
+
+            def connect(endpoints: list[str] = endpoints) -> KVPoolClient:
+                return KVPoolClient(endpoints, token=settings.token, namespace=settings.kv_namespace)
+
+            pool = PoolIO(connect=connect, namespace=settings.kv_namespace, block_bytes=settings.block_bytes,
+                          workers=settings.pool_workers)
+            await pool.start()
+            log.info("event=pool_connected endpoints=%s", ",".join(endpoints))
+            return pool
+        except (KVPoolError, OSError, ValueError) as exc:
+            log.warning("event=pool_unreachable error=%s retry_seconds=%.1f", exc, delay)
+        except Exception as exc:  # the Kubernetes client's errors: keep trying, say why
+            log.warning("event=pool_lookup_failed error=%s retry_seconds=%.1f", exc, delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(delay * 2, 5.0)
+    return None
+
+
+async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = None) -> int:
+    """Run the engine until SIGTERM/SIGINT has drained it; returns the exit code."""
+    metrics = PromMetrics(model_name=settings.model)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+    forced = asyncio.Event()
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("event=draining reason=signal")
+            stop.set()
+        else:
+            log.warning("event=forced_exit reason=second_signal")
+            forced.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    engine = Engine(settings.engine, pool=None, metrics=metrics)
+    server = SimServer(engine, metrics, model=settings.model, max_model_len=settings.max_model_len)
+    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("event=listen_failed address=%s:%d error=%s", settings.host, settings.port, exc)
+        await runner.cleanup()
+        return 1
+    pool: PoolIO | None = None
+    if not settings.no_pool:
+        pool = await _connect_pool(settings, stop)
+    engine.pool = pool
+    engine.start()
+    code = 0
+    if not stop.is_set():
+        server.ready = True
+        log.info("event=ready address=%s:%d role=%s", settings.host, settings.port, settings.role.value)
+        if on_ready is not None:
+            on_ready()
+        await stop.wait()
+    server.draining = True
+    drained = asyncio.ensure_future(server.wait_idle())
+    forced_wait = asyncio.ensure_future(forced.wait())
+    done, _ = await asyncio.wait({drained, forced_wait}, timeout=settings.drain_seconds,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if drained in done:
+        log.info("event=drained in_flight=0")
+    else:
+        code = 1
+        log.warning("event=drain_incomplete in_flight=%d reason=%s", server.active,
+                    "second_signal" if forced_wait in done else "timeout")
+    drained.cancel()
+    forced_wait.cancel()
+    await runner.cleanup()
+    await engine.stop()
+    if pool is not None:
+        await pool.close()
+    log.info("event=stopped code=%d", code)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: ``daybreak sim-engine ...``."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    try:
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"daybreak sim-engine: {exc}", file=sys.stderr)
+        return 2
+    log.info("event=settings %s", settings.describe())
+    return asyncio.run(serve(settings))
+
+
+__all__ = ["DEFAULT_LAYOUT", "Settings", "add_arguments", "run", "serve", "settings_from"]
