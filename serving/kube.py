@@ -5,7 +5,8 @@ may not want them on the data path either, so engines and the router find
 their peers through the API: the KVPool's published ``status.endpoints`` and
 the role Services' EndpointSlices (ready endpoints only). Credentials come from
 ``KUBECONFIG`` when set (the local process kubelet writes one per pod) and from
-the pod's ServiceAccount otherwise.
+the pod's ServiceAccount otherwise. Every call is a coroutine with a timeout;
+nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -15,36 +16,97 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
 
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# Seconds per API call: discovery refreshes about every second, so a slow call must not pile up.
+REQUEST_TIMEOUT = 5.0
 
-async def load_api(kubeconfig: str | None = None) -> k8s_client.ApiClient:
-    """An ApiClient from ``kubeconfig`` (default: ``$KUBECONFIG``), else the in-cluster ServiceAccount."""
+
+class KubeLookupError(Exception):
+    """An API read failed; ``status`` is the HTTP status, 0 when the API server was unreachable."""
+
+    def __init__(self, path: str, *, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(f"GET {path}: {status or 'unreachable'}: {message}")
+
+
+async def load_api(kubeconfig: str | None = None, *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
+                   ) -> k8s_client.ApiClient:
+    """An ApiClient from ``kubeconfig`` (default: ``$KUBECONFIG``), else the in-cluster ServiceAccount.
+
+    Raises ``KubeLookupError`` (status 0) naming both sources when neither is there.
+    """
     path = kubeconfig if kubeconfig is not None else os.environ.get("KUBECONFIG", "")
     configuration = k8s_client.Configuration()
     if path:
         await k8s_config.load_kube_config(config_file=path, client_configuration=configuration)
     else:
-        k8s_config.load_incluster_config(client_configuration=configuration)
-    return k8s_client.ApiClient(configuration)
+        token = os.path.join(service_account_dir, "token")
+        try:
+            # try_refresh_token: the kubelet rotates the projected token; the loader re-reads it.
+            k8s_config.load_incluster_config(client_configuration=configuration, try_refresh_token=True,
+                                             token_filename=token,
+                                             cert_filename=os.path.join(service_account_dir, "ca.crt"))
+        except k8s_config.ConfigException as exc:
+            raise KubeLookupError("(config)", status=0, message=(
+                f"no KUBECONFIG set and no in-cluster ServiceAccount ({exc}); set KUBECONFIG or run in a pod"
+            )) from None
+    api = k8s_client.ApiClient(configuration)
+    api.user_agent = "daybreak-serving"
+    return api
 
 
-async def get_json(api: k8s_client.ApiClient, path: str, *, query: Mapping[str, str] | None = None) -> Any:
+async def get_json(api: k8s_client.ApiClient, path: str, *, query: Mapping[str, str] | None = None,
+                   timeout_seconds: float = REQUEST_TIMEOUT) -> Any:
     """GET ``path`` (e.g. ``/apis/daybreak.dev/v1alpha1/namespaces/ns/kvpools/p``) and return the decoded body."""
-    response = await api.call_api(path, "GET", query_params=list((query or {}).items()),
+    try:
+        return await api.call_api(path, "GET", query_params=list((query or {}).items()),
+                                  header_params={"Accept": "application/json"},
                                   response_types_map={200: "object"}, auth_settings=["BearerToken"],
-                                  _return_http_data_only=True)
-    return response
+                                  _return_http_data_only=True, _request_timeout=timeout_seconds)
+    except ApiException as exc:
+        raise KubeLookupError(path, status=int(exc.status or 0), message=str(exc.reason or exc)) from None
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise KubeLookupError(path, status=0, message=str(exc) or type(exc).__name__) from None
 
 
 async def pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str) -> list[str]:
     """The ``host:port`` of every ready agent the operator published in the KVPool's status."""
     obj = await get_json(api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}")
     endpoints = (obj.get("status") or {}).get("endpoints") or []
-    return [str(e) for e in endpoints]
+    return [str(e) for e in endpoints if isinstance(e, str) and e]
+
+
+def _join(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def endpoints_from_slices(body: Mapping[str, Any], *, port_name: str = "http") -> list[str]:
+    """``ip:port`` of the ready endpoints in an EndpointSliceList (pure, so it is tested without a cluster).
+
+    ``conditions.ready`` unset counts as ready (the API's documented meaning: unknown, serve it);
+    a slice without a port named ``port_name`` (or an unnamed one) contributes nothing.
+    """
+    out: set[str] = set()
+    for item in body.get("items") or []:
+        ports = [p for p in item.get("ports") or [] if (p.get("name") or "") in (port_name, "")]
+        if not ports or not isinstance(ports[0].get("port"), int):
+            continue
+        port = int(ports[0]["port"])
+        for endpoint in item.get("endpoints") or []:
+            if (endpoint.get("conditions") or {}).get("ready") is False:
+                continue
+            addresses = endpoint.get("addresses") or []
+            if addresses:
+                # Several addresses of one endpoint are the same pod (dual stack): dial one.
+                out.add(_join(str(addresses[0]), port))
+    return sorted(out)
 
 
 async def ready_endpoints(api: k8s_client.ApiClient, *, namespace: str, service: str, port_name: str = "http"
@@ -52,14 +114,4 @@ async def ready_endpoints(api: k8s_client.ApiClient, *, namespace: str, service:
     """``ip:port`` of the ready endpoints of ``service``, from its EndpointSlices."""
     body = await get_json(api, f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
                           query={"labelSelector": f"kubernetes.io/service-name={service}"})
-    out: list[str] = []
-    for item in body.get("items", []):
-        ports = [p for p in item.get("ports") or [] if p.get("name", "") in (port_name, "")]
-        if not ports:
-            continue
-        port = ports[0].get("port")
-        for endpoint in item.get("endpoints") or []:
-            if (endpoint.get("conditions") or {}).get("ready") is False:
-                continue
-            out.extend(f"{address}:{port}" for address in endpoint.get("addresses") or [])
-    return sorted(set(out))
+    return endpoints_from_slices(body, port_name=port_name)

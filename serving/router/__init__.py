@@ -1,0 +1,201 @@
+"""``daybreak router``: the OpenAI-compatible front of a PDDeployment (prefill, then decode, pool-aware).
+
+Engines come from the role Services' EndpointSlices (``--namespace``,
+``--prefill-service``, ``--decode-service``) or from static lists
+(``--prefill-endpoints``, ``--decode-endpoints``). Without prefill pods
+configured the router is colocated: one step per request on ``both`` engines.
+Pool lookups need ``--kv-layout`` (block keys) and the pool (``--pool-ref`` or
+``--pool-endpoints``, token, kvNamespace); without them the router routes on
+load alone, which is what a vLLM deployment without the prefix API gets.
+Every flag has the environment fallback named in its help, so the operator's
+pod env configures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from daybreak.serving.router.choice import CostModel
+from daybreak.serving.router.server import RouterConfig
+
+log = logging.getLogger(__name__)
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _list(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default=_env("POD_IP", "127.0.0.1"), help="address to bind ($POD_IP, else 127.0.0.1)")
+    g.add_argument("--port", type=int, default=int(_env("DAYBREAK_ROUTER_PORT", "8000") or 8000),
+                   help="port ($DAYBREAK_ROUTER_PORT, 8000)")
+    d = parser.add_argument_group("engine discovery")
+    d.add_argument("--namespace", default=_env("POD_NAMESPACE"), help="namespace of the role Services "
+                   "($POD_NAMESPACE)")
+    d.add_argument("--prefill-service", default=_env("DAYBREAK_PREFILL_SERVICE"),
+                   help="prefill Service whose EndpointSlices list the pods ($DAYBREAK_PREFILL_SERVICE)")
+    d.add_argument("--decode-service", default=_env("DAYBREAK_DECODE_SERVICE"),
+                   help="decode Service ($DAYBREAK_DECODE_SERVICE)")
+    d.add_argument("--prefill-endpoints", default=_env("DAYBREAK_PREFILL_ENDPOINTS"),
+                   help="static prefill pods host:port,... instead of a Service ($DAYBREAK_PREFILL_ENDPOINTS)")
+    d.add_argument("--decode-endpoints", default=_env("DAYBREAK_DECODE_ENDPOINTS"),
+                   help="static decode pods ($DAYBREAK_DECODE_ENDPOINTS); with no prefill pods configured "
+                   "these are 'both' engines and the router is colocated")
+    d.add_argument("--kubeconfig", default=None, help="kubeconfig for discovery (default $KUBECONFIG, else the "
+                   "in-cluster ServiceAccount)")
+    d.add_argument("--refresh-seconds", type=float, default=1.0, help="EndpointSlice re-read period")
+    d.add_argument("--scrape-seconds", type=float, default=0.5, help="period of the /metrics load scrape")
+    p = parser.add_argument_group("pool lookups")
+    p.add_argument("--pool-ref", default=_env("DAYBREAK_POOL_REF"),
+                   help="NS/NAME of the KVPool whose status.endpoints list the agents ($DAYBREAK_POOL_REF); "
+                   "wins over --pool-endpoints")
+    p.add_argument("--pool-endpoints", default=_env("DAYBREAK_POOL_ENDPOINTS"),
+                   help="agents host:port,... ($DAYBREAK_POOL_ENDPOINTS)")
+    p.add_argument("--token", default=_env("DAYBREAK_POOL_TOKEN"), help="pool token ($DAYBREAK_POOL_TOKEN)")
+    p.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE"),
+                   help="file holding the pool token ($DAYBREAK_POOL_TOKEN_FILE)")
+    p.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE"),
+                   help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE)")
+    p.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT"),
+                   help="kvLayout JSON, e.g. '{\"numLayers\":32,\"numKVHeads\":8,\"headDim\":128,"
+                   "\"blockTokens\":16}' ($DAYBREAK_KV_LAYOUT); without it: no block keys, load only")
+    p.add_argument("--no-pool-lookup", action="store_true",
+                   help="never ask the pool (engine-local prefix affinity still works with --kv-layout)")
+    p.add_argument("--pool-clients", type=int, default=4, help="parallel pool lookups")
+    r = parser.add_argument_group("retries and choice")
+    r.add_argument("--deadline-seconds", type=float, default=float(_env("DAYBREAK_ROUTER_DEADLINE_SECONDS", "60")
+                                                                   or 60),
+                   help="retry a failed step only this long after the request arrived "
+                   "($DAYBREAK_ROUTER_DEADLINE_SECONDS, 60)")
+    r.add_argument("--max-attempts", type=int, default=int(_env("DAYBREAK_ROUTER_MAX_ATTEMPTS", "3") or 3),
+                   help="tries per step ($DAYBREAK_ROUTER_MAX_ATTEMPTS, 3)")
+    r.add_argument("--connect-timeout-seconds", type=float, default=2.0, help="connecting to an engine")
+    r.add_argument("--idle-timeout-seconds", type=float, default=60.0,
+                   help="an engine silent this long has failed the step")
+    defaults = CostModel()
+    r.add_argument("--compute-block-seconds", type=float, default=defaults.compute_block_seconds,
+                   help="cost estimate: computing one block")
+    r.add_argument("--load-block-seconds", type=float, default=defaults.load_block_seconds,
+                   help="cost estimate: loading one block from the pool")
+    r.add_argument("--queue-seconds", type=float, default=defaults.queue_seconds,
+                   help="cost estimate: one request running or waiting on the pod")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: wait this long for "
+                        "in-flight requests")
+    parser.add_argument("--log-level", default=_env("DAYBREAK_LOG_LEVEL", "INFO"))
+
+
+def block_tokens_of(layout_json: str | None) -> int | None:
+    """``blockTokens`` of a kvLayout JSON (validated by the API model); None when no layout is given."""
+    if not layout_json:
+        return None
+    from daybreak.api.kvcompat import KVLayout
+
+    try:
+        layout = KVLayout.model_validate(json.loads(layout_json))
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--kv-layout: not a valid kvLayout ({exc}); give JSON like "
+                         "'{\"numLayers\":32,\"numKVHeads\":8,\"headDim\":128,\"blockTokens\":16}'") from None
+    return int(layout.block_tokens)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token:
+        return str(args.token)
+    if args.token_file:
+        try:
+            return Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"--token-file {args.token_file}: {exc}") from None
+    return None
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from daybreak.serving import kube
+    from daybreak.serving.router.discovery import RolePods, service_lister
+    from daybreak.serving.router.server import PoolLookup, Router, serve
+
+    block_tokens = block_tokens_of(args.kv_layout)
+    config = RouterConfig(
+        block_tokens=block_tokens, deadline_seconds=args.deadline_seconds, max_attempts=max(args.max_attempts, 1),
+        connect_timeout_seconds=args.connect_timeout_seconds, idle_timeout_seconds=args.idle_timeout_seconds,
+        cost=CostModel(compute_block_seconds=args.compute_block_seconds,
+                       load_block_seconds=args.load_block_seconds, queue_seconds=args.queue_seconds))
+    api: Any = None
+
+    async def need_api() -> Any:
+        nonlocal api
+        if api is None:
+            api = await kube.load_api(args.kubeconfig)
+        return api
+
+    def role(name: str, service: str | None, static: str | None) -> RolePods | None:
+        if static:
+            return RolePods(name, static=_list(static), scrape_seconds=args.scrape_seconds)
+        if service:
+            if not args.namespace:
+                raise SystemExit(f"--{name}-service needs --namespace (or $POD_NAMESPACE)")
+            return RolePods(name, lister=service_lister(api, namespace=args.namespace, service=service),
+                            refresh_seconds=args.refresh_seconds, scrape_seconds=args.scrape_seconds)
+        return None
+
+    if ((args.prefill_service and not args.prefill_endpoints)
+            or (args.decode_service and not args.decode_endpoints)):
+        await need_api()
+    prefill = role("prefill", args.prefill_service, args.prefill_endpoints)
+    decode = role("decode", args.decode_service, args.decode_endpoints)
+    if decode is None:
+        raise SystemExit("no decode pods configured: give --decode-service (with --namespace) or "
+                         "--decode-endpoints")
+
+    pool: PoolLookup | None = None
+    if block_tokens and not args.no_pool_lookup and (args.pool_ref or args.pool_endpoints):
+        token = _token(args)
+        if not token or not args.kv_namespace:
+            raise SystemExit("pool lookups need --token (or --token-file) and --kv-namespace; "
+                             "or pass --no-pool-lookup to route on load and engine-local prefixes only")
+        if args.pool_ref:
+            namespace, _, name = str(args.pool_ref).partition("/")
+            if not namespace or not name:
+                raise SystemExit(f"--pool-ref {args.pool_ref!r}: give NAMESPACE/NAME")
+            kube_api = await need_api()
+
+            async def endpoints() -> list[str]:
+                return await kube.pool_endpoints(kube_api, namespace=namespace, pool=name)
+        else:
+            static = _list(args.pool_endpoints)
+
+            async def endpoints() -> list[str]:
+                return static
+        pool = PoolLookup(endpoints=endpoints, token=token, namespace=args.kv_namespace,
+                          clients=max(args.pool_clients, 1))
+
+    log.info("event=settings mode=%s prefill=%s decode=%s pool_lookup=%s block_tokens=%s deadline_s=%.1f "
+             "max_attempts=%d cost=%s", "colocated" if prefill is None else "pd",
+             args.prefill_service or args.prefill_endpoints or "-", args.decode_service or args.decode_endpoints,
+             "pool-ref:" + args.pool_ref if pool and args.pool_ref else ("static" if pool else "off"),
+             block_tokens, config.deadline_seconds, config.max_attempts, config.cost)
+    router = Router(config=config, prefill=prefill, decode=decode, pool=pool)
+    try:
+        await serve(router, host=args.host, port=args.port, drain_seconds=args.drain_seconds)
+    finally:
+        if api is not None:
+            await api.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return asyncio.run(_main(args))

@@ -1,0 +1,704 @@
+"""The router's HTTP face: OpenAI-compatible endpoints that run each request as prefill, then decode.
+
+Per request (``/v1/completions`` or ``/v1/chat/completions``):
+
+1. parse the prompt (``serving.prompt``) and compute its chained block keys
+   (only when a kvLayout is configured; a vLLM deployment may run without);
+2. ask the pool how many leading blocks it holds (``batch_exists``, one
+   round trip per 1,024 keys, stopping at the first miss);
+3. unless the pool holds every full block, run a **prefill step** on the pod
+   ``choice.rank`` picks by load and engine-local prefix (``max_tokens: 1``,
+   ``stream: false``); the engine writes the blocks it computed to the pool;
+4. run the **decode step** on the least-loaded decode pod with the original
+   request, relaying its stream, and report one ``usage`` summed over both.
+
+A step that fails or is refused (connection error, 429, 5xx) is retried on
+another pod while the request's deadline allows. A decode stream that breaks
+after tokens were relayed is resumed on another pod, dropping as many chunks as
+the client already has: that is exact for deterministic decoding (the sim
+engine, greedy or seeded sampling) and is the documented limit otherwise.
+A 4xx from an engine is the request's fault and is relayed as is.
+
+Without prefill pods configured (``colocated``), each request is one step on a
+``both``-role engine chosen like a prefill pod. The router holds no index: a
+restarted one routes as well as before, because the pool and the pods answer
+every question again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from daybreak.client import AsyncKVPoolClient
+from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
+from daybreak.serving.router import choice
+from daybreak.serving.router.discovery import RolePods
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+MAX_BODY_BYTES = 32 << 20
+MAX_RESPONSE_BYTES = 64 << 20
+_EXISTS_CHUNK = 1024
+# A prefix query that takes longer than this is not worth its answer: route on load alone.
+PREFIX_TIMEOUT = 0.5
+_DAYBREAK_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens", "bytes_read", "bytes_written",
+                    "blocks_checked", "blocks_corrupt")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+EndpointLister = Callable[[], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything that changes how requests are routed (one object, printed at start-up)."""
+
+    block_tokens: int | None = None
+    """Tokens per KV block (from --kv-layout); None: no block keys, route on load alone."""
+    deadline_seconds: float = 60.0
+    """A failed step is retried on another pod only this long after the request arrived."""
+    max_attempts: int = 3
+    """Tries per step, the first included."""
+    connect_timeout_seconds: float = 2.0
+    """Connecting to an engine pod."""
+    idle_timeout_seconds: float = 60.0
+    """An engine that sends nothing for this long has failed the step."""
+    cost: choice.CostModel = field(default_factory=choice.CostModel)
+    """The choice's cost estimate."""
+
+
+class PoolLookup:
+    """How long a prefix the pool holds, through a few ``AsyncKVPoolClient``s (each serialises its calls).
+
+    The lookup is advisory: when the pool cannot be reached it answers None and the router routes
+    on load alone (and always prefills), retrying the connection at most once a second.
+    """
+
+    def __init__(self, *, endpoints: EndpointLister, token: str, namespace: str, clients: int = 4) -> None:
+        self._endpoints = endpoints
+        self._token = token
+        self._namespace = namespace
+        self._slots: asyncio.Queue[AsyncKVPoolClient | None] = asyncio.Queue()
+        for _ in range(clients):
+            self._slots.put_nowait(None)
+        self._retry_at = 0.0
+        self._failing = False
+
+    async def prefix(self, keys: list[str]) -> int | None:
+        """Leading ``keys`` the pool holds, or None when it could not be asked."""
+        if not keys:
+            return 0
+        client = await self._slots.get()
+        try:
+            if client is None:
+                if time.monotonic() < self._retry_at:
+                    return None
+                client = await self._connect()
+                if client is None:
+                    return None
+            held = 0
+            for start in range(0, len(keys), _EXISTS_CHUNK):
+                chunk = keys[start:start + _EXISTS_CHUNK]
+                found = await client.batch_exists(chunk)
+                run = choice.pool_prefix(found)
+                held += run
+                if run < len(chunk):
+                    break
+            if self._failing:
+                log.info("event=pool_lookup_recovered")
+                self._failing = False
+            return held
+        except Exception as exc:  # advisory: a pool problem must never fail a request
+            self._note_failure(exc)
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
+            client = None
+            return None
+        finally:
+            self._slots.put_nowait(client)
+
+    async def _connect(self) -> AsyncKVPoolClient | None:
+        try:
+            endpoints = await self._endpoints()
+            if not endpoints:
+                raise RuntimeError("the pool publishes no endpoints yet")
+            return await AsyncKVPoolClient.connect(endpoints, token=self._token, namespace=self._namespace,
+                                                   transport="tcp", timeout_seconds=5.0)
+        except Exception as exc:
+            self._note_failure(exc)
+            return None
+
+    def _note_failure(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + 1.0
+        if not self._failing:
+            log.warning("event=pool_lookup_failed error=%r action=route_on_load_and_prefill", str(exc) or
+                        type(exc).__name__)
+        self._failing = True
+
+    async def close(self) -> None:
+        while not self._slots.empty():
+            client = self._slots.get_nowait()
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
+
+
+class Metrics:
+    """The router's Prometheus metrics, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("daybreak_router_requests", "Requests received", ["endpoint"], registry=r)
+        self.failures = Counter("daybreak_router_request_failures", "Requests that failed, by reason",
+                                ["reason"], registry=r)
+        self.retries = Counter("daybreak_router_retries", "Steps retried on another pod", ["role"], registry=r)
+        self.step_seconds = Histogram("daybreak_router_step_seconds", "Duration of a successful step, per role",
+                                      ["role"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("daybreak_router_time_to_first_token_seconds",
+                                      "Request arrival to the first token relayed (streams)", buckets=_LATENCY_BUCKETS,
+                                      registry=r)
+        self.request_seconds = Histogram("daybreak_router_request_seconds", "Request arrival to its last byte",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_skipped = Counter("daybreak_router_prefill_skipped", "Prefill steps not run, by reason",
+                                       ["reason"], registry=r)
+        self.prompt_blocks = Counter("daybreak_router_prompt_blocks", "Full prompt blocks seen, and those the "
+                                     "pool held at routing time", ["source"], registry=r)
+        self.pool_lookup_seconds = Histogram("daybreak_router_pool_lookup_seconds", "Pool prefix lookups",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("daybreak_router_requests_in_flight", "Requests being served", registry=r)
+        self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
+
+
+class StepFailed(Exception):
+    """A step found no pod that served it within the attempts and the deadline."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        self.role = role
+        self.reason = reason
+        super().__init__(f"{role} step failed: {reason}")
+
+
+class Refused(Exception):
+    """An engine answered 4xx: the request's fault, relayed to the client as is."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        super().__init__(f"engine refused the request with {status}")
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream."""
+
+
+def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None
+           ) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                             status=status)
+
+
+def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """One ``usage`` for the client: the decode step's counts, ``daybreak.*`` summed over both steps.
+
+    ``cached_tokens = prompt_tokens - computed`` (prefill's plus decode's computed tokens), so a token
+    either step had to compute is never reported as cached. Engines without the ``daybreak`` extension
+    (vLLM) pass their own ``cached_tokens`` through.
+    """
+    if decode is None:
+        return None
+    out = dict(decode)
+    steps = [u for u in (prefill, decode) if u]
+    extensions: list[Mapping[str, Any]] = [u["daybreak"] for u in steps if isinstance(u.get("daybreak"), Mapping)]
+    if not extensions:
+        return out
+    summed: dict[str, int] = {name: sum(int(e.get(name) or 0) for e in extensions) for name in _DAYBREAK_FIELDS}
+    out["daybreak"] = summed
+    prompt_tokens = int(decode.get("prompt_tokens") or 0)
+    details = dict(decode.get("prompt_tokens_details") or {})
+    details["cached_tokens"] = max(prompt_tokens - summed["computed_tokens"], 0)
+    out["prompt_tokens_details"] = details
+    return out
+
+
+@dataclass
+class _Stream:
+    """Relay state of one streamed decode: what the client already has."""
+
+    response: web.StreamResponse | None = None
+    sent_chunks: int = 0
+    usage: dict[str, Any] | None = None
+    template: dict[str, Any] | None = None
+
+
+class Router:
+    """The aiohttp application and the request path; one per process."""
+
+    def __init__(self, *, config: RouterConfig, decode: RolePods, prefill: RolePods | None = None,
+                 pool: PoolLookup | None = None) -> None:
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.pool = pool
+        self.metrics = Metrics()
+        self.draining = False
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._prefix_api: dict[str, bool] = {}  # pod -> whether it serves /daybreak/v1/prefix (capability)
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill is None
+
+    # -- application ------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        for pods in (self.prefill, self.decode):
+            if pods is not None:
+                self._tasks.append(asyncio.create_task(pods.run(self._session), name=f"pods-{pods.role}"))
+
+    async def _stop(self, _app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.pool is not None:
+            await self.pool.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def drain(self, *, timeout_seconds: float) -> None:
+        """Stop looking ready and wait (bounded) for in-flight requests to finish."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_seconds)
+
+    # -- small endpoints ---------------------------------------------------------------------------
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        decode = len(self.decode.pods())
+        prefill = len(self.prefill.pods()) if self.prefill else None
+        body = {"status": "ok", "decode_pods": decode, "prefill_pods": prefill, "draining": self.draining}
+        if self.draining:
+            body["status"] = "draining"
+            return web.json_response(body, status=503)
+        if decode == 0:
+            body["status"] = "no ready decode pods" if not self.colocated else "no ready engine pods"
+            return web.json_response(body, status=503)
+        return web.json_response(body)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        self.metrics.ready_pods.labels("decode" if not self.colocated else "engine").set(len(self.decode.pods()))
+        if self.prefill is not None:
+            self.metrics.ready_pods.labels("prefill").set(len(self.prefill.pods()))
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        assert self._session is not None
+        for pod in self.decode.pods():
+            try:
+                async with self._session.get(f"http://{pod.address}/v1/models",
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return web.Response(body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+        return _error(503, "no engine pod answered /v1/models", kind="service_unavailable")
+
+    # -- the request path --------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions")
+
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        started = time.monotonic()
+        self.metrics.requests.labels(path).inc()
+        if self.draining:
+            self.metrics.failures.labels("draining").inc()
+            return _error(503, "router is draining; retry on another router", kind="service_unavailable")
+        self._in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.inc()
+        try:
+            return await self._route(request, path, started)
+        finally:
+            self._in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.request_seconds.observe(time.monotonic() - started)
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _route(self, request: web.Request, path: str, started: float) -> web.StreamResponse:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            self.metrics.failures.labels("bad_request").inc()
+            return _error(400, "request body must be a JSON object")
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.failures.labels("bad_request").inc()
+            return _error(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        if not isinstance(body, dict):
+            self.metrics.failures.labels("bad_request").inc()
+            return _error(400, "request body must be a JSON object")
+        try:
+            prompt = parse_prompt(body)
+        except PromptError as exc:
+            self.metrics.failures.labels("bad_request").inc()
+            return _error(400, str(exc), param="prompt")
+        stream = body.get("stream") is True
+        keys: list[str] = []
+        if self.config.block_tokens:
+            keys = await asyncio.to_thread(block_keys, prompt.tokens, self.config.block_tokens)
+        pool_blocks: int | None = None
+        if self.pool is not None:
+            t = time.monotonic()
+            pool_blocks = await self.pool.prefix(keys)
+            self.metrics.pool_lookup_seconds.observe(time.monotonic() - t)
+        self.metrics.prompt_blocks.labels("all").inc(len(keys))
+        self.metrics.prompt_blocks.labels("pool").inc(pool_blocks or 0)
+
+        headers: dict[str, str] = {"x-request-id": rid}
+        prefill_usage: dict[str, Any] | None = None
+        try:
+            if self.prefill is not None:
+                if choice.skip_prefill(blocks=len(keys), pool_blocks=pool_blocks or 0,
+                                       pool_known=pool_blocks is not None):
+                    self.metrics.prefill_skipped.labels("pool_holds_prompt").inc()
+                    headers["x-daybreak-prefill"] = "skipped"
+                else:
+                    prefill_body = {k: v for k, v in body.items() if k not in ("stream_options",)}
+                    prefill_body.update(max_tokens=1, stream=False)
+                    if "max_completion_tokens" in prefill_body:
+                        prefill_body["max_completion_tokens"] = 1
+                    try:
+                        address, reply = await self._json_step(
+                            "prefill", self.prefill, path, prefill_body, started=started, keys=keys,
+                            pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid)
+                        prefill_usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else None
+                        headers["x-daybreak-prefill"] = address
+                    except StepFailed as exc:
+                        # Decode computes what the pool lacks (counted, never skipped): slower, not failed.
+                        log.warning("event=prefill_unavailable id=%s reason=%s action=decode_computes", rid,
+                                    exc.reason)
+                        self.metrics.prefill_skipped.labels("no_prefill_pod").inc()
+                        headers["x-daybreak-prefill"] = "failed"
+            decode_body = dict(body)
+            if stream:
+                raw_options = body.get("stream_options")
+                options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
+                decode_body["stream_options"] = {**options, "include_usage": True}
+                return await self._stream_step(request, path, decode_body, started=started, keys=keys,
+                                               pool_blocks=pool_blocks or 0, prefill_usage=prefill_usage,
+                                               headers=headers, rid=rid,
+                                               client_wants_usage=bool(options.get("include_usage")))
+            address, reply = await self._json_step(
+                "decode", self.decode, path, decode_body, started=started, keys=keys,
+                pool_blocks=pool_blocks or 0, prefix_aware=self.colocated, rid=rid)
+            headers["x-daybreak-decode"] = address
+            usage = combine_usage(prefill_usage, reply.get("usage") if isinstance(reply.get("usage"), dict)
+                                  else None)
+            if usage is not None:
+                reply["usage"] = usage
+            return web.json_response(reply, headers=headers)
+        except Refused as exc:
+            self.metrics.failures.labels("refused").inc()
+            return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or
+                                "application/json", headers=headers)
+        except StepFailed as exc:
+            self.metrics.failures.labels(f"{exc.role}_{exc.reason}").inc()
+            log.warning("event=request_failed id=%s role=%s reason=%s", rid, exc.role, exc.reason)
+            return _error(503, str(exc), kind="service_unavailable")
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_seconds,
+                                     sock_read=self.config.idle_timeout_seconds)
+
+    def _retry_allowed(self, *, attempt: int, started: float) -> bool:
+        return (attempt < self.config.max_attempts
+                and time.monotonic() - started < self.config.deadline_seconds)
+
+    async def _choose(self, pods: RolePods, tried: set[str], *, started: float, keys: list[str],
+                      pool_blocks: int, prefix_aware: bool) -> str | None:
+        # No pod now (a rollout, a scale from zero): wait a little, within the deadline.
+        wait_until = min(started + self.config.deadline_seconds, time.monotonic() + 5.0)
+        states = pods.pods()
+        while not states and time.monotonic() < wait_until and not self.draining:
+            await asyncio.sleep(0.1)
+            states = pods.pods()
+        if not states:
+            return None
+        fresh = [p for p in states if p.address not in tried] or states
+        local: dict[str, int] = {}
+        if prefix_aware and keys and len(fresh) > 1:
+            local = await self._local_prefixes([p.address for p in fresh], keys)
+        order = list(range(len(fresh)))
+        random.shuffle(order)
+        tiebreak = {p.address: order[i] for i, p in enumerate(fresh)}
+        ranked = choice.rank([p.candidate(local.get(p.address, 0)) for p in fresh], blocks=len(keys),
+                             pool_blocks=pool_blocks, prefix_aware=prefix_aware, model=self.config.cost,
+                             tiebreak=tiebreak)
+        return ranked[0].address
+
+    async def _local_prefixes(self, addresses: list[str], keys: list[str]) -> dict[str, int]:
+        assert self._session is not None
+        session = self._session
+        payload = json.dumps({"keys": keys}).encode()
+
+        async def ask(address: str) -> int:
+            if self._prefix_api.get(address) is False:
+                return 0
+            try:
+                async with session.post(f"http://{address}/daybreak/v1/prefix", data=payload,
+                                        headers={"Content-Type": "application/json"},
+                                        timeout=aiohttp.ClientTimeout(total=PREFIX_TIMEOUT)) as r:
+                    if r.status in (404, 405):
+                        self._prefix_api[address] = False  # e.g. vLLM: it has no engine-local prefix API
+                        return 0
+                    if r.status != 200:
+                        return 0
+                    value = (await r.json()).get("local_blocks")
+                    return int(value) if isinstance(value, int) and 0 <= value <= len(keys) else 0
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+                return 0
+
+        values = await asyncio.gather(*(ask(a) for a in addresses))
+        return dict(zip(addresses, values, strict=True))
+
+    async def _json_step(self, role: str, pods: RolePods, path: str, body: dict[str, Any], *, started: float,
+                         keys: list[str], pool_blocks: int, prefix_aware: bool, rid: str
+                         ) -> tuple[str, dict[str, Any]]:
+        assert self._session is not None
+        tried: set[str] = set()
+        attempt = 0
+        payload = json.dumps(body).encode()
+        while True:
+            address = await self._choose(pods, tried, started=started, keys=keys, pool_blocks=pool_blocks,
+                                         prefix_aware=prefix_aware)
+            if address is None:
+                raise StepFailed(role, "no_ready_pods")
+            tried.add(address)
+            attempt += 1
+            pods.begin(address)
+            failed = True
+            t = time.monotonic()
+            try:
+                async with self._session.post(f"http://{address}{path}", data=payload, timeout=self._timeout(),
+                                              headers={"Content-Type": "application/json",
+                                                       "x-request-id": rid}) as r:
+                    data = await r.content.read(MAX_RESPONSE_BYTES)
+                    if r.status == 200:
+                        reply = json.loads(data)
+                        if not isinstance(reply, dict):
+                            raise ValueError("engine reply is not a JSON object")
+                        failed = False
+                        self.metrics.step_seconds.labels(role).observe(time.monotonic() - t)
+                        return address, reply
+                    if r.status not in RETRYABLE_STATUS:
+                        failed = False
+                        raise Refused(r.status, data, r.content_type)
+                    reason = f"status_{r.status}"
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                reason = type(exc).__name__
+            finally:
+                pods.end(address, failed=failed)
+            if not self._retry_allowed(attempt=attempt, started=started):
+                raise StepFailed(role, reason)
+            self.metrics.retries.labels(role).inc()
+            log.info("event=retry id=%s role=%s pod=%s reason=%s attempt=%d", rid, role, address, reason, attempt)
+            await asyncio.sleep(min(0.05 * attempt, 0.5))
+
+    async def _stream_step(self, request: web.Request, path: str, body: dict[str, Any], *, started: float,
+                           keys: list[str], pool_blocks: int, prefill_usage: dict[str, Any] | None,
+                           headers: dict[str, str], rid: str, client_wants_usage: bool) -> web.StreamResponse:
+        assert self._session is not None
+        role = "decode"
+        state = _Stream()
+        tried: set[str] = set()
+        attempt = 0
+        payload = json.dumps(body).encode()
+        reason = "no_ready_pods"
+        while True:
+            address = await self._choose(self.decode, tried, started=started, keys=keys, pool_blocks=pool_blocks,
+                                         prefix_aware=self.colocated)
+            if address is None:
+                break
+            tried.add(address)
+            attempt += 1
+            self.decode.begin(address)
+            failed = True
+            t = time.monotonic()
+            try:
+                done = await self._relay(request, address, path, payload, state=state, headers=headers,
+                                         started=started, rid=rid)
+                if done:
+                    failed = False
+                    self.metrics.step_seconds.labels(role).observe(time.monotonic() - t)
+                    return await self._finish_stream(state, prefill_usage, client_wants_usage)
+                reason = "stream_ended_early"
+            except Refused:
+                failed = False
+                raise
+            except ClientGone:
+                failed = False
+                self.metrics.failures.labels("client_gone").inc()
+                return state.response or web.Response(status=499)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                reason = type(exc).__name__
+            finally:
+                self.decode.end(address, failed=failed)
+            if not self._retry_allowed(attempt=attempt, started=started):
+                break
+            self.metrics.retries.labels(role).inc()
+            log.info("event=retry id=%s role=%s pod=%s reason=%s attempt=%d resume_after_chunks=%d", rid, role,
+                     address, reason, attempt, state.sent_chunks)
+            await asyncio.sleep(min(0.05 * attempt, 0.5))
+        self.metrics.failures.labels(f"{role}_{reason}").inc()
+        log.warning("event=request_failed id=%s role=%s reason=%s", rid, role, reason)
+        if state.response is None:
+            return _error(503, f"{role} step failed: {reason}", kind="service_unavailable")
+        # The client already has a 200 and some tokens: end the stream with an error event.
+        error = {"error": {"message": f"{role} step failed mid-stream: {reason}", "type": "service_unavailable"}}
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await state.response.write(f"data: {json.dumps(error)}\n\n".encode())
+            await state.response.write_eof()
+        return state.response
+
+    async def _relay(self, request: web.Request, address: str, path: str, payload: bytes, *, state: _Stream,
+                     headers: dict[str, str], started: float, rid: str) -> bool:
+        """Relay one decode attempt's stream; True when it reached ``[DONE]``."""
+        assert self._session is not None
+        async with self._session.post(f"http://{address}{path}", data=payload, timeout=self._timeout(),
+                                      headers={"Content-Type": "application/json", "x-request-id": rid}) as r:
+            if r.status != 200:
+                data = await r.content.read(MAX_RESPONSE_BYTES)
+                if r.status in RETRYABLE_STATUS:
+                    raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+                if state.response is None:
+                    raise Refused(r.status, data, r.content_type)
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            seen = 0  # content chunks of this attempt
+            event: list[bytes] = []
+            async for raw in r.content:
+                line = raw.rstrip(b"\r\n")
+                if line:
+                    event.append(line)
+                    continue
+                data = b"\n".join(x[5:].lstrip() for x in event if x.startswith(b"data:"))
+                event = []
+                if not data:
+                    continue
+                if data == b"[DONE]":
+                    return True
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError("stream chunk is not a JSON object")
+                if "error" in chunk and not chunk.get("choices"):
+                    raise ValueError(f"engine sent an error event: {chunk['error']!r}")
+                if not chunk.get("choices"):
+                    if isinstance(chunk.get("usage"), dict):
+                        state.usage = chunk["usage"]
+                        state.template = chunk
+                    continue
+                seen += 1
+                if seen <= state.sent_chunks:
+                    continue  # the client has this one from an earlier attempt
+                if state.response is None:
+                    headers["x-daybreak-decode"] = address
+                    state.response = web.StreamResponse(status=200, headers={
+                        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    try:
+                        await state.response.prepare(request)
+                    except (ConnectionError, RuntimeError) as exc:
+                        raise ClientGone() from exc
+                    self.metrics.ttft_seconds.observe(time.monotonic() - started)
+                try:
+                    await state.response.write(b"data: " + data + b"\n\n")
+                except (ConnectionError, RuntimeError) as exc:
+                    raise ClientGone() from exc
+                state.sent_chunks += 1
+            return False
+
+    async def _finish_stream(self, state: _Stream, prefill_usage: dict[str, Any] | None,
+                             client_wants_usage: bool) -> web.StreamResponse:
+        response = state.response
+        if response is None:
+            raise ValueError("decode stream ended without a token")
+        if client_wants_usage:
+            usage = combine_usage(prefill_usage, state.usage)
+            final = dict(state.template or {"object": "text_completion", "choices": []})
+            final["usage"] = usage
+            final["choices"] = []
+            await response.write(f"data: {json.dumps(final)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def serve(router: Router, *, host: str, port: int, drain_seconds: float = 30.0,
+                ready: Callable[[], None] | None = None) -> None:
+    """Run ``router`` on ``host:port`` until SIGTERM/SIGINT, then drain (bounded) and stop."""
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    log.info("event=ready host=%s port=%d mode=%s", host, port, "colocated" if router.colocated else "pd")
+    if ready is not None:
+        ready()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("event=draining in_flight=%d timeout_s=%.0f", router._in_flight, drain_seconds)
+        await router.drain(timeout_seconds=drain_seconds)
+    finally:
+        await runner.cleanup()
+        log.info("event=stopped")

@@ -1,0 +1,119 @@
+"""The load generator's pure parts: the trace parser, percentiles and the summary, rate steps, the LRU bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daybreak.serving.load.lru import lru_bound
+from daybreak.serving.load.sessions import Session, parse_steps, rate_at
+from daybreak.serving.load.summary import RequestRecord, percentile, summarize
+from daybreak.serving.load.trace import TraceError, TraceRequest, parse_line, read_trace
+from daybreak.serving.prompt import parse_prompt, render_chat, tokenize
+
+SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def test_trace_lines_parse_and_bad_ones_name_the_field(tmp_path: Path) -> None:
+    req = parse_line('{"timestamp": 40, "input_length": 1030, "output_length": 3, "hash_ids": [1, 2, 3]}')
+    assert req == TraceRequest(40.0, 1030, 3, (1, 2, 3))
+    body = req.body(model="m")
+    assert body["max_tokens"] == 3 and body["stream_options"] == {"include_usage": True}
+    assert len(parse_prompt(body).tokens) == 1030
+    for line, field in [('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+                        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+                        ('{"timestamp": 0, "input_length": 5, "output_length": true, "hash_ids": [1]}',
+                         "output_length"),
+                        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "hash_ids"),
+                        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-3]}', "hash_ids"),
+                        ("[1, 2]", "object"), ("{", "not JSON")]:
+        with pytest.raises(TraceError, match=field):
+            parse_line(line, where="t.jsonl:7")
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n\n'
+                    '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n'
+                    '{"timestamp": 2, "input_length": 5, "output_length": 1}\n')
+    assert len(list(read_trace(path, limit=2))) == 2
+    with pytest.raises(TraceError, match=r"t.jsonl:4: hash_ids"):
+        list(read_trace(path))
+
+
+def test_the_shared_synthetic_trace_parses_whole() -> None:
+    reqs = list(read_trace(SHARED_TRACE))
+    assert len(reqs) == 3993
+    assert reqs[0].timestamp_ms == 0 and reqs[-1].timestamp_ms > 1_000_000
+
+
+def test_percentiles_interpolate_and_empty_is_null() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([4, 1, 3, 2, 5], 90) == pytest.approx(4.6)
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_summary_counts_failures_and_weights_hit_rate_by_prompt_tokens() -> None:
+    a = RequestRecord(sent_at=0, ok=True, ttft_s=0.1, e2e_s=0.5, itl_s=[0.01, 0.03])
+    a.take_usage({"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 90},
+                  "daybreak": {"pool_hit_tokens": 80, "local_hit_tokens": 10, "bytes_read": 5, "bytes_written": 7}})
+    b = RequestRecord(sent_at=0, ok=True, ttft_s=0.3, e2e_s=0.6, itl_s=[0.02])
+    b.take_usage({"prompt_tokens": 300, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}})
+    c = RequestRecord(sent_at=0, ok=False, error="http_503")
+    s = summarize([a, b, c], duration_s=2.0)
+    assert (s["requests"], s["completed_requests"], s["failed_requests"]) == (3, 2, 1)
+    assert s["errors"] == {"http_503": 1}
+    assert s["hit_rate"] == pytest.approx(90 / 400)
+    assert s["pool_hit_rate"] == pytest.approx(80 / 400)
+    assert s["ttft_p50_s"] == pytest.approx(0.2) and s["itl_p50_s"] == pytest.approx(0.02)
+    assert s["output_tokens_per_s"] == pytest.approx(2.5)
+    assert (s["bytes_read"], s["bytes_written"]) == (5, 7)
+    json.dumps(s)  # serialisable as is
+    empty = summarize([], duration_s=1.0)
+    assert empty["ttft_p50_s"] is None and empty["hit_rate"] is None
+
+
+def test_rate_steps_parse_relative_and_absolute() -> None:
+    steps = parse_steps("1x:30s,4x:30s,2.5:10", base_rate=2.0)
+    assert [(s.rate, s.seconds) for s in steps] == [(2.0, 30.0), (8.0, 30.0), (2.5, 10.0)]
+    assert rate_at(steps, 0) == 2.0 and rate_at(steps, 45) == 8.0 and rate_at(steps, 65) == 2.5
+    assert rate_at(steps, 70) is None
+    for bad in ("", "4x", "fast:30s", "0x:10s"):
+        with pytest.raises(ValueError):
+            parse_steps(bad, base_rate=1.0)
+
+
+def test_a_session_turn_extends_the_previous_prompt() -> None:
+    s = Session(index=0, system="S" * 100, seed=1, user_chars=20)
+    first = tokenize(render_chat(s.next_body(model="m", max_tokens=4)["messages"]))
+    s.answered("the answer")
+    second = tokenize(render_chat(s.next_body(model="m", max_tokens=4)["messages"]))
+    assert second[:len(first)] == first and len(second) > len(first)
+    other = Session(index=1, system="S" * 100, seed=2, user_chars=20)
+    third = tokenize(render_chat(other.next_body(model="m", max_tokens=4)["messages"]))
+    assert third[:110] == first[:110]  # the shared system prompt
+
+
+def test_lru_bound_uses_prefix_semantics_and_the_capacity() -> None:
+    reqs = [TraceRequest(0, 1536, 1, (1, 2, 3)), TraceRequest(1, 1536, 1, (1, 2, 3)),
+            TraceRequest(2, 1536, 1, (9, 2, 3))]
+    unbounded = lru_bound(reqs, capacity_blocks=100)
+    # Second request hits all 3 blocks; the third shares ids 2, 3 but not its first block: no prefix hit.
+    assert (unbounded.hit_blocks, unbounded.blocks) == (3, 9)
+    assert unbounded.hit_rate == pytest.approx(3 * 512 / (3 * 1536))
+    tiny = lru_bound(reqs, capacity_blocks=2)  # block 1 is evicted by 2, 3 within the first request
+    assert tiny.hit_blocks == 0
+    assert lru_bound(reqs, capacity_blocks=0).hit_blocks == 0
+    # A partial last block is never cached.
+    partial = lru_bound([TraceRequest(0, 1000, 1, (5, 6)), TraceRequest(1, 1000, 1, (5, 6))], capacity_blocks=9)
+    assert partial.hit_tokens == 512
+
+
+def test_lru_bound_of_the_shared_trace_is_below_the_unbounded_reuse() -> None:
+    reqs = list(read_trace(SHARED_TRACE))
+    unbounded = lru_bound(reqs, capacity_blocks=10**9)
+    small = lru_bound(reqs, capacity_blocks=2000)
+    assert unbounded.hit_rate is not None and small.hit_rate is not None
+    assert 0 < small.hit_rate < unbounded.hit_rate < 1

@@ -1,0 +1,120 @@
+"""The router's pure decisions: which pod, when to skip prefill, what usage the client sees, what a scrape says."""
+
+from __future__ import annotations
+
+from daybreak.serving.kube import endpoints_from_slices
+from daybreak.serving.router.choice import (
+    Candidate,
+    CostModel,
+    load_of,
+    pool_prefix,
+    prefill_cost,
+    rank,
+    skip_prefill,
+)
+from daybreak.serving.router.discovery import parse_load
+from daybreak.serving.router.server import combine_usage
+
+MODEL = CostModel(compute_block_seconds=0.01, load_block_seconds=0.001, queue_seconds=0.05)
+
+
+def test_least_loaded_pod_wins_when_nothing_is_cached() -> None:
+    pods = [Candidate("a:1", load=3), Candidate("b:1", load=1), Candidate("c:1", load=2)]
+    assert [c.address for c in rank(pods)] == ["b:1", "c:1", "a:1"]
+    assert rank(pods, blocks=100, prefix_aware=True, model=MODEL)[0].address == "b:1"
+
+
+def test_engine_local_prefix_beyond_the_pool_outweighs_a_little_queue() -> None:
+    # The pool holds 10 of 100 blocks; pod a holds 90 locally: 80 blocks less compute (0.8 s) > 2 queued (0.1 s).
+    pods = [Candidate("a:1", load=2, local_blocks=90), Candidate("b:1", load=0)]
+    assert rank(pods, blocks=100, pool_blocks=10, prefix_aware=True, model=MODEL)[0].address == "a:1"
+    # ...but not a long queue: 20 queued requests cost 1 s.
+    busy = [Candidate("a:1", load=20, local_blocks=90), Candidate("b:1", load=0)]
+    assert rank(busy, blocks=100, pool_blocks=10, prefix_aware=True, model=MODEL)[0].address == "b:1"
+
+
+def test_local_prefix_the_pool_also_holds_saves_only_the_load_cost() -> None:
+    # The pool holds 90 of 100 blocks; pod a holds the same 90 locally: it saves 90 loads (0.09 s) only,
+    # less than two queued requests (0.1 s)...
+    pods = [Candidate("a:1", load=2, local_blocks=90), Candidate("b:1", load=0)]
+    assert rank(pods, blocks=100, pool_blocks=90, prefix_aware=True, model=MODEL)[0].address == "b:1"
+    # ...more than two cheap ones.
+    cheap_queue = CostModel(compute_block_seconds=0.01, load_block_seconds=0.001, queue_seconds=0.01)
+    assert rank(pods, blocks=100, pool_blocks=90, prefix_aware=True, model=cheap_queue)[0].address == "a:1"
+
+
+def test_prefill_cost_counts_loads_and_computes() -> None:
+    assert prefill_cost(blocks=10, pool_blocks=0, local_blocks=0, model=MODEL) == 10 * 0.01
+    assert prefill_cost(blocks=10, pool_blocks=6, local_blocks=2, model=MODEL) == 4 * 0.01 + 4 * 0.001
+    assert prefill_cost(blocks=10, pool_blocks=3, local_blocks=8, model=MODEL) == 2 * 0.01
+    assert prefill_cost(blocks=10, pool_blocks=10, local_blocks=10, model=MODEL) == 0
+
+
+def test_unhealthy_pods_sort_last_and_ties_follow_the_tiebreak() -> None:
+    pods = [Candidate("a:1", load=0, healthy=False), Candidate("b:1", load=5), Candidate("c:1", load=5)]
+    assert [c.address for c in rank(pods, tiebreak={"b:1": 1, "c:1": 0})] == ["c:1", "b:1", "a:1"]
+    assert [c.address for c in rank(pods, tiebreak={"b:1": 0, "c:1": 1})] == ["b:1", "c:1", "a:1"]
+
+
+def test_load_takes_the_larger_of_in_flight_and_scraped() -> None:
+    assert load_of(in_flight=2, running=None, waiting=None) == 2
+    assert load_of(in_flight=1, running=3, waiting=4) == 7
+    assert load_of(in_flight=9, running=3, waiting=4) == 9
+
+
+def test_prefill_is_skipped_only_when_the_pool_is_known_to_hold_every_full_block() -> None:
+    assert pool_prefix([True, True, False, True]) == 2
+    assert pool_prefix([True, True]) == 2
+    assert pool_prefix([]) == 0
+    assert skip_prefill(blocks=4, pool_blocks=4, pool_known=True)
+    assert not skip_prefill(blocks=4, pool_blocks=3, pool_known=True)
+    assert not skip_prefill(blocks=4, pool_blocks=0, pool_known=False)
+    assert skip_prefill(blocks=0, pool_blocks=0, pool_known=True)  # nothing to write: decode computes the tail
+
+
+def test_usage_cached_tokens_count_what_neither_step_computed() -> None:
+    prefill = {"prompt_tokens": 100, "completion_tokens": 1,
+               "daybreak": {"computed_tokens": 40, "pool_hit_tokens": 48, "bytes_written": 4096, "bytes_read": 10}}
+    decode = {"prompt_tokens": 100, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96},
+              "daybreak": {"computed_tokens": 4, "pool_hit_tokens": 96, "bytes_read": 8192}}
+    usage = combine_usage(prefill, decode)
+    assert usage is not None
+    assert usage["completion_tokens"] == 7
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 100 - 44
+    assert usage["daybreak"]["bytes_read"] == 8202 and usage["daybreak"]["bytes_written"] == 4096
+    assert usage["daybreak"]["pool_hit_tokens"] == 144
+    # Prefill skipped: decode's own count stands.
+    alone = combine_usage(None, decode)
+    assert alone is not None and alone["prompt_tokens_details"]["cached_tokens"] == 96
+    # An engine without the extension (vLLM) keeps its own cached_tokens.
+    vllm = {"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}
+    assert combine_usage({"prompt_tokens": 10}, vllm) == vllm
+
+
+def test_load_is_read_from_prometheus_text_with_labels_and_timestamps() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests running",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="m a",engine="0"} 3.0',
+        'vllm:num_requests_running{model_name="m",engine="1"} 2 1700000000000',
+        "vllm:num_requests_waiting 4",
+        "vllm:num_requests_waiting_total 99",
+        'vllm:num_requests_running_by_lora{x="y"} 50',
+    ])
+    assert parse_load(text) == (5.0, 4.0)
+    assert parse_load("") == (None, None)
+    assert parse_load("vllm:num_requests_running nan-ish\n") == (None, None)
+
+
+def test_only_ready_endpoints_of_the_named_port_are_listed() -> None:
+    body = {"items": [
+        {"ports": [{"name": "http", "port": 8000}], "endpoints": [
+            {"addresses": ["127.1.0.5"], "conditions": {"ready": True}},
+            {"addresses": ["127.1.0.6"], "conditions": {"ready": False}},
+            {"addresses": ["127.1.0.7"], "conditions": {}},  # unknown counts as ready
+        ]},
+        {"ports": [{"name": "metrics", "port": 9000}], "endpoints": [{"addresses": ["127.1.0.8"]}]},
+        {"ports": [{"name": "http", "port": 8000}], "endpoints": [{"addresses": ["fd00::1"]}]},
+    ]}
+    assert endpoints_from_slices(body) == ["127.1.0.5:8000", "127.1.0.7:8000", "[fd00::1]:8000"]
+    assert endpoints_from_slices({}) == []
