@@ -177,6 +177,9 @@ class EngineMetrics:
     def pool_error(self) -> None:
         """A pool call failed (the request went on as if the pool were empty)."""
 
+    def local_only(self, blocks: int) -> None:
+        """Engine-local cached blocks the pool is not known to hold (the planner's scale-in cost)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -310,6 +313,13 @@ class Engine:
             def prefilled() -> None:
                 nonlocal write_task
                 self.cache.insert(keys)
+                if self.pool is not None:
+                    self.cache.mark_pooled(keys[lookup.local:lookup.local + lookup.pool_hits])
+                    if self.config.role == Role.DECODE:
+                        self.cache.mark_unpooled(keys[lookup.local + lookup.pool_hits:])  # computed, not written
+                    else:
+                        self.cache.mark_unpooled([keys[i] for i in lookup.write])  # until the write lands
+                    self.metrics.local_only(self.cache.local_only)
                 if lookup.write and self.pool is not None:
                     write_task = asyncio.get_running_loop().create_task(
                         self._write([keys[i] for i in lookup.write], usage), name=f"sim-write-{seq.rid}")
@@ -378,12 +388,15 @@ class Engine:
     async def _write(self, keys: list[str], usage: Usage) -> None:
         assert self.pool is not None
         try:
-            _stored, sent = await self.pool.write(keys)
+            stored, sent = await self.pool.write(keys)
         except (KVPoolError, OSError) as exc:
             log.warning("event=pool_error op=write blocks=%d error=%s", len(keys), exc)
             self.metrics.pool_error()
             return
         usage.bytes_written += sent
+        if stored == len(keys):
+            self.cache.mark_pooled(keys)
+            self.metrics.local_only(self.cache.local_only)
 
     def _abort(self, handle: Handle) -> None:
         seq = handle.seq
