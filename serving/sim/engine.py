@@ -398,6 +398,43 @@ class Engine:
             self.cache.mark_pooled(keys)
             self.metrics.local_only(self.cache.local_only)
 
+    async def hand_off(self, *, seconds: float, chunk_blocks: int = 64) -> tuple[int, int]:
+        """Before exit: write the engine-local blocks the pool lacks, hottest first, within ``seconds``.
+
+        Returns (blocks written, bytes sent). What does not fit in the time is lost, coldest first.
+        """
+        pool = self.pool
+        keys = self.cache.unpooled()
+        if pool is None or not keys or seconds <= 0:
+            return 0, 0
+        deadline = self._clock() + seconds
+        written = sent = 0
+
+        async def run() -> None:
+            nonlocal written, sent
+            for start in range(0, len(keys), chunk_blocks):
+                chunk = keys[start:start + chunk_blocks]
+                present = await pool.exists(chunk)
+                missing = [k for k, ok in zip(chunk, present, strict=True) if not ok]
+                self.cache.mark_pooled([k for k, ok in zip(chunk, present, strict=True) if ok])
+                if missing:
+                    stored, nbytes = await pool.write(missing)
+                    written += stored
+                    sent += nbytes
+                    if stored == len(missing):
+                        self.cache.mark_pooled(missing)
+                if self._clock() >= deadline:
+                    return
+
+        try:
+            await asyncio.wait_for(run(), timeout=max(deadline - self._clock(), 0.001))
+        except TimeoutError:
+            log.warning("event=handoff_incomplete written=%d of=%d reason=timeout", written, len(keys))
+        except (KVPoolError, OSError) as exc:
+            log.warning("event=handoff_failed written=%d of=%d error=%s", written, len(keys), exc)
+        self.metrics.local_only(self.cache.local_only)
+        return written, sent
+
     def _abort(self, handle: Handle) -> None:
         seq = handle.seq
         if seq.rid not in self._handles:
