@@ -58,8 +58,9 @@ import httpx
 log = logging.getLogger(__name__)
 
 DAYBREAK_COMMAND = "daybreak"
-POD_CIDR = ipaddress.ip_network("127.1.0.0/16")
-NODE_ADDRESS_PREFIX = "127.0.1."
+# Overridable so that two local clusters on one machine (parallel test runs) do not share addresses.
+POD_CIDR = ipaddress.ip_network(os.environ.get("DAYBREAK_DEV_POD_CIDR") or "127.1.0.0/16")
+NODE_ADDRESS_PREFIX = os.environ.get("DAYBREAK_DEV_NODE_PREFIX") or "127.0.1."
 MANAGER = "process-kubelet.daybreak.dev"
 SLICE_SUFFIX = "local"
 # kwok's pod stages skip a pod when any container's command is `daybreak` (kwok's NotIn: no element in the set).
