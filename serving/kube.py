@@ -3,7 +3,9 @@
 There is no cluster DNS or kube-proxy on the local cluster, and a real cluster
 may not want them on the data path either, so engines and the router find
 their peers through the API: the KVPool's published ``status.endpoints`` and
-the role Services' EndpointSlices (ready endpoints only). Credentials come from
+the role Services' EndpointSlices (ready endpoints only; on the local cluster,
+whose loopback pod IPs the API server refuses in slices, the Ready pods the
+Service selects). Credentials come from
 ``KUBECONFIG`` when set (the local process kubelet writes one per pod) and from
 the pod's ServiceAccount otherwise. Every call is a coroutine with a timeout;
 nothing here blocks the event loop.
@@ -76,11 +78,21 @@ async def get_json(api: k8s_client.ApiClient, path: str, *, query: Mapping[str, 
         raise KubeLookupError(path, status=0, message=str(exc) or type(exc).__name__) from None
 
 
+def endpoints_from_pool(obj: Mapping[str, Any]) -> list[str]:
+    """``host:port`` of each ``status.endpoints`` entry (``{node, address, port, transports}``) of a KVPool."""
+    out: set[str] = set()
+    for entry in (obj.get("status") or {}).get("endpoints") or []:
+        if not isinstance(entry, Mapping):
+            continue
+        address, port = entry.get("address"), entry.get("port")
+        if isinstance(address, str) and address and isinstance(port, int) and 0 < port < 65536:
+            out.add(_join(address, port))
+    return sorted(out)
+
+
 async def pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str) -> list[str]:
     """The ``host:port`` of every ready agent the operator published in the KVPool's status."""
-    obj = await get_json(api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}")
-    endpoints = (obj.get("status") or {}).get("endpoints") or []
-    return [str(e) for e in endpoints if isinstance(e, str) and e]
+    return endpoints_from_pool(await get_json(api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}"))
 
 
 def _join(address: str, port: int) -> str:
@@ -109,9 +121,59 @@ def endpoints_from_slices(body: Mapping[str, Any], *, port_name: str = "http") -
     return sorted(out)
 
 
+def endpoints_from_pods(service: Mapping[str, Any], pods: Mapping[str, Any], *, port_name: str = "http"
+                        ) -> list[str]:
+    """``podIP:port`` of the Ready, not-terminating pods of a PodList, on ``service``'s ``port_name`` port.
+
+    The port is the Service port's ``targetPort``: a number as is, a name looked up among each pod's
+    container ports (so pods of one Service may listen on different numbers, as on the local cluster).
+    """
+    ports = [p for p in (service.get("spec") or {}).get("ports") or [] if (p.get("name") or "") in (port_name, "")]
+    if not ports:
+        return []
+    target = ports[0].get("targetPort", ports[0].get("port"))
+    out: set[str] = set()
+    for pod in pods.get("items") or []:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp") or not status.get("podIP"):
+            continue
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        if not ready:
+            continue
+        port = target if isinstance(target, int) else None
+        if isinstance(target, str):
+            for container in (pod.get("spec") or {}).get("containers") or []:
+                for cp in container.get("ports") or []:
+                    if cp.get("name") == target and isinstance(cp.get("containerPort"), int):
+                        port = cp["containerPort"]
+        if port:
+            out.add(_join(str(status["podIP"]), int(port)))
+    return sorted(out)
+
+
 async def ready_endpoints(api: k8s_client.ApiClient, *, namespace: str, service: str, port_name: str = "http"
                           ) -> list[str]:
-    """``ip:port`` of the ready endpoints of ``service``, from its EndpointSlices."""
+    """``ip:port`` of the ready endpoints of ``service``: its EndpointSlices, else its Ready pods.
+
+    The API server refuses loopback addresses in EndpointSlices (127.0.0.0/8, ::1), so on the local
+    cluster, where every pod has a loopback IP, the Service has no usable slices; the same answer then
+    comes from the pods its selector picks, with their Ready condition (what the slices would list).
+    On a real cluster the slices answer and the pods are never listed.
+    """
     body = await get_json(api, f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
                           query={"labelSelector": f"kubernetes.io/service-name={service}"})
-    return endpoints_from_slices(body, port_name=port_name)
+    found = endpoints_from_slices(body, port_name=port_name)
+    if found:
+        return found
+    try:
+        svc = await get_json(api, f"/api/v1/namespaces/{namespace}/services/{service}")
+    except KubeLookupError as exc:
+        if exc.status == 404:
+            return []  # no such Service (yet): nothing to route to
+        raise
+    selector = (svc.get("spec") or {}).get("selector") or {}
+    if not selector:
+        return []
+    pods = await get_json(api, f"/api/v1/namespaces/{namespace}/pods",
+                          query={"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))})
+    return endpoints_from_pods(svc, pods, port_name=port_name)

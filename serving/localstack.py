@@ -44,6 +44,7 @@ class Proc:
     args: list[str]
     log: Path
     port: int
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -52,7 +53,7 @@ class Proc:
 
     def start(self, *, timeout_seconds: float = 60.0) -> Proc:
         """Start and wait until ``/health`` answers 200."""
-        env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", **self.env}
         with self.log.open("ab") as sink:
             self.proc = subprocess.Popen([sys.executable, "-m", "daybreak", *self.args], stdout=sink,
                                          stderr=subprocess.STDOUT, env=env, cwd="/")
@@ -171,24 +172,30 @@ class Stack:
         group.append(proc)
         return proc.start()
 
-    def start_router(self, *, pool_lookup: bool = True, extra: Sequence[str] = (), port: int | None = None
-                     ) -> Proc:
-        """Start (or restart on the same port) the router over the engines started so far."""
+    def start_router(self, *, pool_lookup: bool = True, static: bool = True, extra: Sequence[str] = (),
+                     port: int | None = None, env: dict[str, str] | None = None) -> Proc:
+        """Start (or restart on the same port) the router over the engines started so far.
+
+        ``static=False`` leaves discovery to ``extra`` (e.g. ``--prefill-service``); ``pool_lookup``
+        passes the agents, token and kvNamespace.
+        """
         port = port or (self.router.port if self.router else free_port())
-        args = ["router", "--host", HOST, "--port", str(port), "--decode-endpoints",
-                ",".join(p.address for p in self.decode), "--kv-layout", self.layout_json,
-                "--log-level", "warning", *extra]
-        if self.prefill:
-            args += ["--prefill-endpoints", ",".join(p.address for p in self.prefill)]
+        args = ["router", "--host", HOST, "--port", str(port), "--kv-layout", self.layout_json,
+                "--log-level", "warning"]
+        if static:
+            args += ["--decode-endpoints", ",".join(p.address for p in self.decode)]
+            if self.prefill:
+                args += ["--prefill-endpoints", ",".join(p.address for p in self.prefill)]
         if pool_lookup and self.agents:
             args += ["--pool-endpoints", self.pool_endpoints, "--token-file", str(self.token_file),
                      "--kv-namespace", self.kv_namespace]
-        self.router = Proc("router", args, self.directory / "router.log", port)
+        args += list(extra)
+        self.router = Proc("router", args, self.directory / "router.log", port, env=dict(env or {}))
         return self.router.start()
 
     def close(self) -> None:
         """Stop everything (engines and router drain first), then the agents; unlink the pool's shm."""
-        for proc in [*( [self.router] if self.router else []), *self.prefill, *self.decode]:
+        for proc in [*([self.router] if self.router else []), *self.prefill, *self.decode]:
             proc.stop(timeout_seconds=10)
         for agent in self.agents:
             agent.kill()
