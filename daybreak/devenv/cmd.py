@@ -205,6 +205,10 @@ def _down(args: argparse.Namespace) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(cpid, signal.SIGKILL)
             print(f"killed leftover {name} (pid {cpid})")
+    from daybreak.devenv.kubelet import kill_leftovers
+
+    for pid in kill_leftovers(args.dir.resolve()):
+        print(f"killed leftover pod process (pid {pid})")
     if args.purge:
         import shutil
 

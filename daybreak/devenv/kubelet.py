@@ -652,6 +652,8 @@ class PodWorker(threading.Thread):
                 c.not_before = time.monotonic() + 2.0
                 return
         self.kubelet.register_process(c.process)
+        # For `daybreak dev down` after a supervisor that died without stopping its pods.
+        (self.dir / f"{c.name}.pid").write_text(f"{c.process.pid}\n")
         c.runs += 1
         c.started_at, c.started_iso = time.monotonic(), now_iso()
         c.waiting_reason, c.waiting_message = "", ""
@@ -667,6 +669,7 @@ class PodWorker(threading.Thread):
         assert c.process is not None
         code = int(c.process.returncode if c.process.returncode is not None else -1)
         self.kubelet.unregister_process(c.process)
+        (self.dir / f"{c.name}.pid").unlink(missing_ok=True)
         ran = time.monotonic() - c.started_at
         c.last_terminated = {"exitCode": code if code >= 0 else 128 - code,
                              "reason": reason or ("Completed" if code == 0 else "Error"),
@@ -777,6 +780,8 @@ class PodWorker(threading.Thread):
                 p.wait(timeout=max(deadline - time.monotonic(), 0.0))
             terminate(p, grace=0)
             self.kubelet.unregister_process(p)
+        for c in self.containers:
+            (self.dir / f"{c.name}.pid").unlink(missing_ok=True)
 
     # -- status -----------------------------------------------------------------------------------
     def _condition(self, type_: str, ok: bool, reason: str = "") -> dict[str, Any]:
@@ -1166,6 +1171,25 @@ def desired_slice(service: dict[str, Any], pods: list[tuple[dict[str, Any], Any]
         "endpoints": endpoints,
         "ports": ports,
     }
+
+
+def kill_leftovers(directory: Path) -> list[int]:
+    """SIGKILL the process groups of pods a dead supervisor left running, and drop the nodes' shared memory.
+
+    Only pids recorded by this cluster's kubelet whose command line is still a ``daybreak`` one are touched.
+    """
+    killed = []
+    for pid_file in sorted((directory / "pods").glob("*/*.pid")):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            # The venv's script runs as `python .../daybreak ...`: the name is argv[0] or argv[1].
+            if any(Path(a.decode(errors="replace")).name == DAYBREAK_COMMAND for a in cmdline[:2]):
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+        pid_file.unlink(missing_ok=True)
+    shutil.rmtree(shm_root(directory), ignore_errors=True)
+    return killed
 
 
 def iter_logs(directory: Path, *, namespace: str, pod: str) -> Iterator[Path]:

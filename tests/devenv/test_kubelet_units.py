@@ -1,0 +1,122 @@
+"""The process kubelet's pure parts: which pods it takes, env expansion, path rewriting, probes, mirrored slices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from daybreak.devenv import kubelet as k
+
+
+def _pod(*commands: list[str], labels: dict[str, str] | None = None, name: str = "p") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "labels": labels or {}},
+            "spec": {"nodeName": "n0", "containers": [{"name": f"c{i}", "command": c, "ports": [
+                {"name": "http", "containerPort": 8000}]} for i, c in enumerate(commands)]},
+            "status": {}}
+
+
+def test_the_kubelet_takes_exactly_the_pods_kwoks_stages_skip() -> None:
+    assert k.is_process_pod(_pod(["daybreak", "agent"]))
+    assert k.is_process_pod(_pod(["sleep", "1"], ["daybreak", "router"]))
+    assert not k.is_process_pod(_pod(["sleep", "1"]))
+    assert not k.is_process_pod(_pod([]))
+    assert not k.is_process_pod(_pod(["/usr/bin/daybreak"]))  # kwok's NotIn compares the exact string
+    assert k.KWOK_EXCLUSION == {"key": ".spec.containers.[].command.[0]", "operator": "NotIn",
+                                "values": ["daybreak"]}
+
+
+def test_env_expansion_follows_kubernetes_rules() -> None:
+    env = {"POD_IP": "127.1.0.7", "PORT": "7400"}
+    assert k.expand("$(POD_IP):$(PORT)", env) == "127.1.0.7:7400"
+    assert k.expand("$(MISSING) stays", env) == "$(MISSING) stays"
+    assert k.expand("$$(POD_IP) is escaped", env) == "$(POD_IP) is escaped"
+
+
+def test_mount_paths_are_rewritten_on_path_boundaries_only() -> None:
+    mounts = [("/etc/daybreak", "/c/pods/p/volumes/config"), ("/etc/daybreak/extra", "/c/x"),
+              ("/host/sys", "/c/nodes/n0/sys")]
+    assert k.rewrite_paths("--config /etc/daybreak/agent.yaml", mounts) == "--config /c/pods/p/volumes/config/agent.yaml"
+    assert k.rewrite_paths("/etc/daybreak/extra/f", mounts) == "/c/x/f"  # the longest mount wins
+    assert k.rewrite_paths("sysfs_root: /host/sys\n", mounts) == "sysfs_root: /c/nodes/n0/sys\n"
+    assert k.rewrite_paths("/etc/daybreakish /x/etc/daybreak", mounts) == "/etc/daybreakish /x/etc/daybreak"
+    assert k.rewrite_paths('{"dir": "/etc/daybreak"}', mounts) == '{"dir": "/c/pods/p/volumes/config"}'
+
+
+def test_downward_api_fields() -> None:
+    pod = _pod(["daybreak"], labels={"app": "x"})
+    pod["status"] = {"podIP": "127.1.0.3", "hostIP": "127.0.1.1", "podIPs": [{"ip": "127.1.0.3"}]}
+    assert k.field_ref(pod, "status.podIP") == "127.1.0.3"
+    assert k.field_ref(pod, "status.hostIP") == "127.0.1.1"
+    assert k.field_ref(pod, "metadata.name") == "p" and k.field_ref(pod, "metadata.namespace") == "ns"
+    assert k.field_ref(pod, "spec.nodeName") == "n0"
+    assert k.field_ref(pod, "spec.serviceAccountName") == "default"
+    assert k.field_ref(pod, "metadata.labels['app']") == "x"
+    with pytest.raises(ValueError, match="not supported"):
+        k.field_ref(pod, "status.nonsense")
+
+
+def test_probe_thresholds_and_initial_delay() -> None:
+    probe = k.ProbeState({"initialDelaySeconds": 5, "periodSeconds": 2, "failureThreshold": 2,
+                          "successThreshold": 1}, started_at=100.0)
+    assert not probe.due(104.9) and probe.due(105.0)
+    probe.record(True, 105.0)
+    assert probe.result is True and not probe.due(106.0) and probe.due(107.0)
+    probe.record(False, 107.0)
+    assert probe.result is True  # one failure is below the threshold
+    probe.record(False, 109.0)
+    assert probe.result is False
+    assert k.resolve_port("http", {"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}) == 8000
+    assert k.resolve_port(9000, {"name": "c"}) == 9000
+    with pytest.raises(ValueError, match="not a port"):
+        k.resolve_port("grpc", {"name": "c", "ports": []})
+
+
+def test_addresses_are_loopback_and_kept_apart() -> None:
+    assert k.node_address(0) == "127.0.1.1" and k.node_address(1) == "127.0.1.2"
+    kubelet = k.ProcessKubelet(directory=Path("/nonexistent"), server="https://x", ca_cert=Path("/ca"),
+                               api_factory=lambda: None)  # type: ignore[arg-type,return-value]
+    ips = {kubelet.allocate_ip(f"uid-{i}") for i in range(300)}
+    assert len(ips) == 300 and all(ip.startswith("127.1.") for ip in ips)
+    assert not any(ip.endswith((".0", ".255")) for ip in ips)
+    assert kubelet.allocate_ip("uid-7") in ips  # stable per pod
+    assert k.shm_root(Path("/a")) != k.shm_root(Path("/b"))
+
+
+def test_the_mirrored_slice_carries_readiness_ports_and_owner() -> None:
+    service = {"metadata": {"name": "sim-decode", "namespace": "ns", "uid": "svc-uid"},
+               "spec": {"selector": {"role": "decode"}, "ports": [{"name": "http", "port": 8000,
+                                                                   "targetPort": "http"}]}}
+    ready = SimpleNamespace(pod_ip="127.1.0.2", node="n0", terminating=False,
+                            last_status={"conditions": [{"type": "Ready", "status": "True"}]})
+    unready = SimpleNamespace(pod_ip="127.1.0.3", node="n1", terminating=False,
+                              last_status={"conditions": [{"type": "Ready", "status": "False"}]})
+    other = SimpleNamespace(pod_ip="127.1.0.4", node="n1", terminating=False, last_status={})
+    body = k.desired_slice(service, [(_pod(["daybreak"], labels={"role": "decode"}, name="a"), ready),
+                                     (_pod(["daybreak"], labels={"role": "decode"}, name="b"), unready),
+                                     (_pod(["daybreak"], labels={"role": "prefill"}, name="c"), other)])
+    assert body is not None
+    assert body["addressType"] == "FQDN" and body["metadata"]["name"] == "sim-decode-local"
+    assert body["metadata"]["labels"] == {"kubernetes.io/service-name": "sim-decode",
+                                          "endpointslice.kubernetes.io/managed-by": k.MANAGER}
+    assert body["metadata"]["ownerReferences"][0]["uid"] == "svc-uid"
+    assert body["ports"] == [{"port": 8000, "protocol": "TCP", "name": "http"}]
+    assert [(e["addresses"], e["conditions"]["ready"]) for e in body["endpoints"]] == [
+        (["127.1.0.2"], True), (["127.1.0.3"], False)]
+    assert k.desired_slice({**service, "spec": {**service["spec"], "selector": {"role": "none"}}},
+                           [(_pod(["daybreak"], labels={"role": "decode"}), ready)]) is None
+    assert len(k.slice_name("s" * 80)) <= 63
+
+
+def test_a_fake_nodes_sysfs_shows_its_accelerators_to_discovery(tmp_path: Path) -> None:
+    from daybreak.agent.publish import node_labels
+    from daybreak.agent.topology.discover import discover
+
+    k.write_fake_sysfs(tmp_path / "sys", accelerator="sunrise", count=4)
+    labels = node_labels(discover(tmp_path / "sys"), node_name="n0", rdma=False)
+    assert labels["daybreak.dev/accelerator"] == "sunrise" and labels["daybreak.dev/accelerator-count"] == "4"
+    k.write_fake_sysfs(tmp_path / "nv", accelerator="nvidia", count=2)
+    labels = node_labels(discover(tmp_path / "nv"), node_name="n1", rdma=False)
+    assert labels["daybreak.dev/accelerator"] == "nvidia" and labels["daybreak.dev/accelerator-count"] == "2"
