@@ -56,8 +56,10 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 # Engine-local cache value the pool does not hold (sim engine; absent on vLLM, then kv usage stands in).
 LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
 
-BUSY_RUNNING = 0.5  # mean running requests over a window from which a prefill pod's throughput is learned
+BUSY_RUNNING = 0.5  # mean running requests from which Little's law is trusted for a prefill pod's throughput
 MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loose the target
+LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions are still made every interval)
+THROUGHPUT_DECAY = 0.98  # per interval: a learned prefill throughput fades slowly (the engine may have changed)
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
 
@@ -81,6 +83,18 @@ class Histogram:
 
     def mean(self) -> float | None:
         return self.sum / self.count if self.count > 0 else None
+
+    def quantile_floor(self, q: float) -> float | None:
+        """The lower edge of the bucket holding the q-th observation: the quantile is certainly at least this."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        prev_le = 0.0
+        for le, c in self.buckets:
+            if c >= rank:
+                return prev_le
+            prev_le = le
+        return prev_le
 
     def quantile(self, q: float) -> float | None:
         """Like PromQL's histogram_quantile: linear within the bucket that holds the q-th observation."""
@@ -252,11 +266,12 @@ class Estimate:
 class PrefillLearning:
     """What the planner learned about one role's prefill pods: uncached tokens per second one pod can compute.
 
-    Two lower bounds per busy window (mean running >= BUSY_RUNNING): the tokens it computed per second, and
-    the tokens per second of service time (Little's law: service time = mean running / completions per
-    second), exact for an engine that prefills one request at a time and low by the batch factor for one
-    that batches (then the planner over-provisions, never under-). The larger of the two, averaged over
-    intervals, is the estimate: one noisy window cannot swing it.
+    Three lower bounds per window: the tokens it computed per second (tight when it ran flat out), the
+    tokens per second of service time (Little's law: service time = mean running / completions per second,
+    when busy), and uncached tokens per request over the mean TTFT (TTFT is at least the prefill time: tight
+    when requests did not queue). All are low by the batch factor for an engine that batches prefills (then
+    the planner over-provisions, never under-). Lower bounds combine by maximum: the estimate is the largest
+    seen, fading by THROUGHPUT_DECAY per interval so a changed engine is relearned.
     """
 
     tokens_per_second: float | None = None
@@ -264,16 +279,23 @@ class PrefillLearning:
     def observe(self, windows: Iterable[PodWindow]) -> None:
         seen: list[float] = []
         for w in windows:
-            if w.uncached_tokens is None or w.uncached_tokens <= 0 or w.mean_running < BUSY_RUNNING:
+            if w.uncached_tokens is None or w.uncached_tokens <= 0:
                 continue
             bound = w.uncached_tokens / w.seconds
-            if abs(w.running_change) <= 0.25 * w.mean_running:  # a mean of two gauges is only fair when they agree
+            # A mean of two gauge readings is only fair when the pod was busy and they agree.
+            if w.mean_running >= BUSY_RUNNING and abs(w.running_change) <= 0.25 * w.mean_running:
                 bound = max(bound, w.uncached_tokens / (w.mean_running * w.seconds))
+            ttft = w.ttft.mean() if w.ttft is not None else None
+            if ttft and w.requests > 0:
+                # TTFT >= the prefill time itself: tight when requests did not queue (low load), where the
+                # two bounds above are weak.
+                bound = max(bound, w.uncached_tokens / w.requests / ttft)
             seen.append(bound)
+        faded = None if self.tokens_per_second is None else self.tokens_per_second * THROUGHPUT_DECAY
         if seen:
-            best = max(seen)
-            self.tokens_per_second = best if self.tokens_per_second is None else (
-                0.5 * self.tokens_per_second + 0.5 * best)
+            self.tokens_per_second = max(seen) if faded is None else max(faded, max(seen))
+        else:
+            self.tokens_per_second = faded
 
 
 @dataclass
@@ -352,10 +374,12 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         numbers["utilisation"] = utilisation
         why = (f"{rate:.3g} req/s x {uncached:.0f} uncached tokens at {throughput:.0f} tokens/s per pod, "
                f"utilisation <= {utilisation:.2f} for TTFT {target:g}s")
-        if p90 is not None and p90 > target and pods <= current:
-            # The model thinks the pods suffice but the latency says otherwise: trust the latency, one pod more.
+        floor = hist.quantile_floor(0.9) if hist else None
+        if floor is not None and floor >= target and pods <= current:
+            # The model thinks the pods suffice but the latency certainly misses (the whole p90 bucket is over
+            # the target, not just its interpolation): trust the latency, one pod more.
             pods = current + 1.0
-            why += f"; but TTFT p90 {p90:.3g}s is over target: one more"
+            why += f"; but TTFT p90 is over {floor:.3g}s, above target: one more"
         numbers["pods"] = pods
         return Estimate(pods, why, numbers)
     # Throughput not learned yet (no pod has had a queue): only the latency can say more pods are needed.
@@ -483,7 +507,8 @@ class RolePlanner:
     """One role's memory between intervals: last sample per pod, what was learned, the stabiliser."""
 
     role: str
-    samples: dict[str, PodSample] = field(default_factory=dict)
+    samples: dict[str, PodSample] = field(default_factory=dict)  # the latest per pod
+    history: dict[str, deque[PodSample]] = field(default_factory=dict)
     prefill: PrefillLearning = field(default_factory=PrefillLearning)
     decode: DecodeLearning = field(default_factory=DecodeLearning)
     stabiliser: Stabiliser = field(default_factory=Stabiliser)
@@ -497,16 +522,26 @@ class RolePlanner:
         silent: list[str] = []
         for pod in pods:
             new = samples.get(pod)
-            old = self.samples.get(pod)
-            w = window(old, new) if (new is not None and old is not None) else None
-            if new is not None:
-                self.samples[pod] = new
+            if new is None:
+                silent.append(pod)
+                continue
+            past = self.history.setdefault(pod, deque(maxlen=LOOKBACK_INTERVALS + 1))
+            # Rates over up to LOOKBACK_INTERVALS intervals: a Poisson burst in one short interval is not a trend.
+            oldest = new.time - (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds
+            old = next((p for p in past if p.time >= oldest), None)
+            w = window(old, new) if old is not None else None
+            if old is not None and w is None:
+                past.clear()  # the engine restarted: its counters start again
+            past.append(new)
+            self.samples[pod] = new
             if w is None:
                 silent.append(pod)
             else:
                 windows.append(w)
         for gone in set(self.samples) - set(pods):
             del self.samples[gone]
+        for gone in set(self.history) - set(pods):
+            del self.history[gone]
         self.last_windows = {w.pod: w for w in windows}
         unreachable = float(bounds[1])
         if self.role == "prefill":
