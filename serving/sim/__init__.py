@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -39,6 +40,7 @@ from daybreak.serving.sim.server import SimServer
 log = logging.getLogger(__name__)
 
 # The example deployment's model (examples/): Llama-3.1-8B, 16-token bf16 blocks of 2 MiB.
+_REFRESH_SECONDS = 5.0  # how often --pool-ref re-reads the KVPool's status.endpoints
 DEFAULT_LAYOUT = {"numLayers": 32, "numKVHeads": 8, "headDim": 128, "dtype": "bfloat16", "blockTokens": 16}
 
 
@@ -165,43 +167,92 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     pool_workers=args.pool_workers)
 
 
-async def _resolve_endpoints(settings: Settings) -> list[str]:
-    if not settings.pool_ref:
-        return settings.pool_endpoints
-    from daybreak.serving import kube  # the Kubernetes client is loaded only when asked for
+def endpoint_addresses(kvpool: Any) -> list[str]:
+    """``address:port`` of each agent in a KVPool object's ``status.endpoints`` (malformed entries skipped)."""
+    status = kvpool.get("status") if isinstance(kvpool, dict) else None
+    entries = status.get("endpoints") if isinstance(status, dict) else None
+    out = []
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("address"), str) and isinstance(entry.get("port"), int):
+            out.append(f"{entry['address']}:{entry['port']}")
+    return out
 
-    namespace, name = settings.pool_ref.split("/")
-    api = await kube.load_api()
-    try:
-        return await kube.pool_endpoints(api, namespace=namespace, pool=name)
-    finally:
-        await api.close()
+
+class _Endpoints:
+    """Where the pool's agents are: the flag's list, or KVPool NS/NAME's status.endpoints read through the API."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._api: Any = None
+
+    async def read(self) -> list[str]:
+        if not self._settings.pool_ref:
+            return self._settings.pool_endpoints
+        from daybreak.serving import kube  # the Kubernetes client is loaded only when asked for
+
+        namespace, name = self._settings.pool_ref.split("/")
+        if self._api is None:
+            self._api = await kube.load_api()
+        obj = await kube.get_json(self._api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{name}")
+        return endpoint_addresses(obj)
+
+    async def close(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
 
 
 async def _connect_pool(settings: Settings, stop: asyncio.Event) -> PoolIO | None:
-    """The pool, retried until an agent answers (the pool may start after the engine), or None on stop."""
+    """The pool, retried until an agent answers (the pool may start after the engine), or None on stop.
+
+    With ``--pool-ref`` the endpoints are re-read from the KVPool's status every few seconds, and a
+    client that lost every agent reconnects to the endpoints as they are then.
+    """
+    current: list[str] = []
+    source = _Endpoints(settings)
+
+    def connect() -> KVPoolClient:
+        if not current:
+            raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
+        return KVPoolClient(list(current), token=settings.token, namespace=settings.kv_namespace)
+
+    async def refresh() -> None:
+        try:
+            endpoints = await source.read()
+        except Exception as exc:  # the Kubernetes client's errors vary: keep the last endpoints, say why
+            log.warning("event=pool_endpoints_unreadable pool=%s error=%s", settings.pool_ref, exc)
+            return
+        if endpoints and endpoints != current:
+            log.info("event=pool_endpoints endpoints=%s", ",".join(endpoints))
+            current[:] = endpoints
+
     delay = 0.5
     while not stop.is_set():
+        await refresh()
+        pool = PoolIO(connect=connect, namespace=settings.kv_namespace, block_bytes=settings.block_bytes,
+                      workers=settings.pool_workers)
         try:
-            endpoints = await _resolve_endpoints(settings)
-            if not endpoints:
-                raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
-
-            def connect(endpoints: list[str] = endpoints) -> KVPoolClient:
-                return KVPoolClient(endpoints, token=settings.token, namespace=settings.kv_namespace)
-
-            pool = PoolIO(connect=connect, namespace=settings.kv_namespace, block_bytes=settings.block_bytes,
-                          workers=settings.pool_workers)
             await pool.start()
-            log.info("event=pool_connected endpoints=%s", ",".join(endpoints))
-            return pool
-        except (KVPoolError, OSError, ValueError) as exc:
+        except (KVPoolError, OSError) as exc:
+            await pool.close()
             log.warning("event=pool_unreachable error=%s retry_seconds=%.1f", exc, delay)
-        except Exception as exc:  # the Kubernetes client's errors: keep trying, say why
-            log.warning("event=pool_lookup_failed error=%s retry_seconds=%.1f", exc, delay)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        delay = min(delay * 2, 5.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        log.info("event=pool_connected endpoints=%s", ",".join(current))
+        if settings.pool_ref:
+            async def keep_refreshing() -> None:
+                try:
+                    while True:
+                        await asyncio.sleep(_REFRESH_SECONDS)
+                        await refresh()
+                finally:
+                    await source.close()
+
+            pool.background = asyncio.get_running_loop().create_task(keep_refreshing(), name="pool-endpoints")
+        return pool
+    await source.close()
     return None
 
 

@@ -73,7 +73,7 @@ class Usage:
 
 
 @dataclass(eq=False)
-class Sequence_:
+class SeqState:
     """One request inside the scheduler: how much of its prompt is computed, how many tokens it has made."""
 
     rid: int
@@ -110,15 +110,15 @@ class Sequence_:
 class StepPlan:
     """One step: the sequences that decode a token and the prefill chunks (sequence, tokens)."""
 
-    decode: list[Sequence_]
-    chunks: list[tuple[Sequence_, int]]
+    decode: list[SeqState]
+    chunks: list[tuple[SeqState, int]]
 
     @property
     def empty(self) -> bool:
         return not self.decode and not self.chunks
 
 
-def plan_step(running: Sequence[Sequence_], *, token_budget: int) -> StepPlan:
+def plan_step(running: Sequence[SeqState], *, token_budget: int) -> StepPlan:
     """vLLM V1's mix: a decode token for every sequence past prefill, then prefill chunks in the budget left.
 
     Decode rows are never starved by a long prompt (ITL stays bounded by one chunk's compute);
@@ -126,7 +126,7 @@ def plan_step(running: Sequence[Sequence_], *, token_budget: int) -> StepPlan:
     """
     decode = [s for s in running if not s.prefilling and s.generated < s.max_tokens]
     budget = token_budget - len(decode)
-    chunks: list[tuple[Sequence_, int]] = []
+    chunks: list[tuple[SeqState, int]] = []
     for seq in running:
         if budget <= 0:
             break
@@ -137,9 +137,9 @@ def plan_step(running: Sequence[Sequence_], *, token_budget: int) -> StepPlan:
     return StepPlan(decode, chunks)
 
 
-def apply_step(plan: StepPlan) -> list[Sequence_]:
+def apply_step(plan: StepPlan) -> list[SeqState]:
     """Advance the sequences of ``plan``; returns those that produced a token in this step (in order)."""
-    emitted: list[Sequence_] = []
+    emitted: list[SeqState] = []
     for seq in plan.decode:
         seq.generated += 1
         emitted.append(seq)
@@ -220,10 +220,10 @@ class Lookup:
 class Handle:
     """A submitted request: iterate ``tokens()`` for output token indices, then read ``usage``."""
 
-    def __init__(self, engine: Engine, seq: Sequence_, task: asyncio.Task[None]) -> None:
+    def __init__(self, engine: Engine, seq: SeqState) -> None:
         self._engine = engine
         self.seq = seq
-        self._task = task
+        self._task: asyncio.Task[None] | None = None
         self.usage = Usage(prompt_tokens=seq.prompt_tokens)
 
     async def tokens(self) -> AsyncIterator[int]:
@@ -233,6 +233,7 @@ class Handle:
             if item is None:
                 break
             yield item
+        assert self._task is not None
         await self._task  # write-back and accounting done (or its error raised)
 
     def abort(self) -> None:
@@ -252,8 +253,8 @@ class Engine:
         self._sleep = sleep
         self._clock = clock
         self._ids = itertools.count(1)
-        self.waiting: deque[Sequence_] = deque()
-        self.running: list[Sequence_] = []
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
         self.looking_up = 0
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -285,17 +286,18 @@ class Engine:
         """Start a request for ``tokens`` (full-block ``keys``) that produces ``max_tokens`` tokens."""
         if self.config.role == Role.PREFILL:
             max_tokens = min(max_tokens, 1)  # a producer's answer is its first token; decode makes the rest
-        seq = Sequence_(rid=next(self._ids), prompt_tokens=len(tokens), cached_tokens=0, max_tokens=max_tokens,
+        seq = SeqState(rid=next(self._ids), prompt_tokens=len(tokens), cached_tokens=0, max_tokens=max_tokens,
                         arrived=self._clock())
-        task = asyncio.get_running_loop().create_task(self._run(seq, list(keys)), name=f"sim-request-{seq.rid}")
-        handle = Handle(self, seq, task)
+        handle = Handle(self, seq)
         self._handles[seq.rid] = handle
+        handle._task = asyncio.get_running_loop().create_task(self._run(handle, list(keys)),
+                                                              name=f"sim-request-{seq.rid}")
         self.looking_up += 1
         self._report_queue()
         return handle
 
-    async def _run(self, seq: Sequence_, keys: list[str]) -> None:
-        handle = self._handles[seq.rid]
+    async def _run(self, handle: Handle, keys: list[str]) -> None:
+        seq = handle.seq
         usage = handle.usage
         bt = self.config.block_tokens
         write_task: asyncio.Task[None] | None = None
@@ -443,7 +445,7 @@ class Engine:
         self._remove(seq)
         seq.done.set()
 
-    def _remove(self, seq: Sequence_) -> None:
+    def _remove(self, seq: SeqState) -> None:
         if seq in self.running:
             self.running.remove(seq)
         with contextlib.suppress(ValueError):

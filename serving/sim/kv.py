@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -144,6 +145,8 @@ class PoolIO:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._made = 0
         self._lock = asyncio.Lock()
+        self.background: asyncio.Task[None] | None = None
+        """A task that lives as long as this pool (the endpoint refresher); cancelled on close."""
 
     async def start(self) -> None:
         """Connect the first worker's client (raises KVPoolError when no agent answers)."""
@@ -165,20 +168,52 @@ class PoolIO:
             worker = await self._idle.get()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, worker)
+        except KVPoolError:
+            # The client reaches no agent any more: drop it, so the next call connects afresh
+            # (to the endpoints as they are then, e.g. re-read from the KVPool's status).
+            self._made -= 1
+            with contextlib.suppress(Exception):
+                await asyncio.get_running_loop().run_in_executor(self._executor, worker.client.close)
+            worker = None
+            raise
         finally:
-            self._idle.put_nowait(worker)
+            if worker is not None:
+                self._idle.put_nowait(worker)
 
     def exists(self, keys: Sequence[str]) -> Awaitable[list[bool]]:
         """Which keys the pool holds (all of them asked at once)."""
         return self._run(lambda w: w.client.batch_exists(keys) if keys else [])
 
-    def read_prefix(self, keys: Sequence[str]) -> Awaitable[ReadResult]:
-        """Read ``keys`` in order, checking each block's bytes; stops at the first miss or bad block."""
-        return self._run(lambda w: self._read(w, keys))
+    def _parts(self, keys: Sequence[str]) -> list[Sequence[str]]:
+        """``keys`` cut into contiguous runs, one per worker, each at least one client batch long."""
+        per = max(self._batch, -(-len(keys) // self._count))
+        return [keys[i:i + per] for i in range(0, len(keys), per)]
 
-    def write(self, keys: Sequence[str]) -> Awaitable[tuple[int, int]]:
-        """Write each key's content block; returns (blocks stored, bytes sent)."""
-        return self._run(lambda w: self._write(w, keys))
+    async def read_prefix(self, keys: Sequence[str]) -> ReadResult:
+        """Read ``keys``, checking each block's bytes; ``good`` is the run of usable blocks from the start.
+
+        Long runs are read by several workers at once; each stops at its first miss or bad block.
+        """
+        parts = self._parts(keys)
+        results = await asyncio.gather(*(self._run(functools.partial(self._read, keys=part)) for part in parts))
+        out = ReadResult()
+        offset = 0
+        prefix_open = True
+        for part, result in zip(parts, results, strict=True):
+            if prefix_open:
+                out.good += result.good
+                prefix_open = result.good == len(part)
+            out.checked += result.checked
+            out.bytes_read += result.bytes_read
+            out.corrupt.extend(offset + i for i in result.corrupt)
+            offset += len(part)
+        return out
+
+    async def write(self, keys: Sequence[str]) -> tuple[int, int]:
+        """Write each key's content block (several workers for long runs); returns (blocks stored, bytes sent)."""
+        results = await asyncio.gather(*(self._run(functools.partial(self._write, keys=part))
+                                         for part in self._parts(keys)))
+        return sum(r[0] for r in results), sum(r[1] for r in results)
 
     def _read(self, worker: _Worker, keys: Sequence[str]) -> ReadResult:
         result = ReadResult()
@@ -221,6 +256,10 @@ class PoolIO:
 
     async def close(self) -> None:
         """Close every client and stop the worker threads."""
+        if self.background is not None:
+            self.background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.background
         while not self._idle.empty():
             worker = self._idle.get_nowait()
             with contextlib.suppress(Exception):

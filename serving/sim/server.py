@@ -159,6 +159,7 @@ class SimServer:
         itls: list[float] = []
         last = arrived
         finished = False
+        response = web.StreamResponse(headers=openai.SSE_HEADERS)
         try:
             if not stream:
                 count = 0
@@ -174,7 +175,6 @@ class SimServer:
                 return web.json_response(openai.response_body(
                     kind=kind, rid=rid, model=self.model, text=output_text(count), finish_reason="length",
                     usage=usage_of(handle.usage), created=created))
-            response = web.StreamResponse(headers=openai.SSE_HEADERS)
             await response.prepare(request)
             first = True
             async for index in handle.tokens():
@@ -198,7 +198,11 @@ class SimServer:
             await response.write_eof()
             finished = True
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            # The client went away (aiohttp's ClientConnectionResetError): nothing left to answer.
+            log.info("event=client_gone request=%s", rid)
+            return response
+        except asyncio.CancelledError:
             log.info("event=client_gone request=%s", rid)
             raise
         finally:
