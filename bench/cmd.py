@@ -16,6 +16,7 @@ SUITES: dict[str, str] = {
     "transfer": "daybreak.bench.transfer",
     "store": "daybreak.bench.store",
     "operator": "daybreak.bench.operator",
+    "serving": "daybreak.bench.serving",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,3 +90,15 @@ def read_trace(path: Path | str, *, limit: int | None = None) -> Iterator[TraceR
                 continue
             yield parse_line(line, where=f"{path}:{number}")
             count += 1
+
+
+def sample_by_root(requests: Iterable[TraceRequest], *, every: int) -> list[TraceRequest]:
+    """The requests whose first block id is a multiple of ``every``: a 1/every sample that keeps reuse.
+
+    Requests sharing a prefix share its first block, so a prefix tree (a conversation, an agent's
+    shared system prompt) is kept or dropped whole: hit rates stay close to the full trace's while
+    the request count and the working set shrink by about ``every``.
+    """
+    if every < 1:
+        raise ValueError(f"every must be at least 1, got {every}")
+    return [r for r in requests if r.hash_ids and r.hash_ids[0] % every == 0]

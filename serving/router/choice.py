@@ -7,11 +7,12 @@ would take there, in seconds, and takes the cheapest:
   ``vllm:num_requests_running + vllm:num_requests_waiting`` from its last
   scrape; the larger of the two, since the scrape already counts the router's
   steps once they arrive) times ``queue_seconds``;
-- **prefill work** (prefill and colocated steps only): blocks the engine must
-  compute, times ``compute_block_seconds``, plus blocks it must load from the
-  pool, times ``load_block_seconds``. An engine holding ``L`` leading blocks
-  in its engine-local cache, with the pool holding ``P``, loads
-  ``max(P - L, 0)`` and computes ``n - max(L, P)`` of the ``n`` full blocks.
+- **KV work** (when block keys are known): blocks the engine must compute,
+  times ``compute_block_seconds``, plus blocks it must load from the pool,
+  times ``load_block_seconds``. An engine holding ``L`` leading blocks in its
+  engine-local cache, with the pool holding ``P``, loads ``max(P - L, 0)`` and
+  computes ``n - max(L, P)`` of the ``n`` full blocks. For a decode step after
+  prefill ``P = n``: only the loads differ between pods.
 
 So a pod's engine-local prefix wins exactly when what it saves (the pool loads,
 or the compute of blocks beyond the pool's prefix) outweighs its extra queue.
@@ -72,7 +73,7 @@ def prefill_cost(*, blocks: int, pool_blocks: int, local_blocks: int, model: Cos
 
 def rank(candidates: Sequence[Candidate], *, blocks: int = 0, pool_blocks: int = 0, prefix_aware: bool = False,
          model: CostModel = CostModel(), tiebreak: Mapping[str, int] | None = None) -> list[Candidate]:
-    """Candidates best first. ``prefix_aware`` adds the prefill work (prefill and colocated steps)."""
+    """Candidates best first. ``prefix_aware`` adds the KV work (compute and loads) to the queue cost."""
     order = tiebreak or {}
 
     def key(c: Candidate) -> tuple[bool, float, int, str]:

@@ -9,8 +9,9 @@ Per request (``/v1/completions`` or ``/v1/chat/completions``):
 3. unless the pool holds every full block, run a **prefill step** on the pod
    ``choice.rank`` picks by load and engine-local prefix (``max_tokens: 1``,
    ``stream: false``); the engine writes the blocks it computed to the pool;
-4. run the **decode step** on the least-loaded decode pod with the original
-   request, relaying its stream, and report one ``usage`` summed over both.
+4. run the **decode step** with the original request on the decode pod the
+   same estimate picks (load, and the loads its engine-local prefix saves),
+   relaying its stream, and report one ``usage`` summed over both.
 
 A step that fails or is refused (connection error, 429, 5xx) is retried on
 another pod while the request's deadline allows. A decode stream that breaks
@@ -427,18 +428,23 @@ class Router:
                                     exc.reason)
                         self.metrics.prefill_skipped.labels("no_prefill_pod").inc()
                         headers["x-daybreak-prefill"] = "failed"
+            # What decode will find in the pool: everything once prefill wrote it (or it was skipped);
+            # otherwise what the lookup saw. Decode's own engine-local prefix saves loads (or compute).
+            decode_pool_blocks = pool_blocks or 0
+            if self.pool is not None and headers.get("x-daybreak-prefill") not in (None, "failed"):
+                decode_pool_blocks = len(keys)
             decode_body = dict(body)
             if stream:
                 raw_options = body.get("stream_options")
                 options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
                 decode_body["stream_options"] = {**options, "include_usage": True}
                 return await self._stream_step(request, path, decode_body, started=started, keys=keys,
-                                               pool_blocks=pool_blocks or 0, prefill_usage=prefill_usage,
+                                               pool_blocks=decode_pool_blocks, prefill_usage=prefill_usage,
                                                headers=headers, rid=rid,
                                                client_wants_usage=bool(options.get("include_usage")))
             address, reply = await self._json_step(
                 "decode", self.decode, path, decode_body, started=started, keys=keys,
-                pool_blocks=pool_blocks or 0, prefix_aware=self.colocated, rid=rid)
+                pool_blocks=decode_pool_blocks, prefix_aware=True, rid=rid)
             headers["x-daybreak-decode"] = address
             usage = combine_usage(prefill_usage, reply.get("usage") if isinstance(reply.get("usage"), dict)
                                   else None)
@@ -566,7 +572,7 @@ class Router:
         reason = "no_ready_pods"
         while True:
             address = await self._choose(self.decode, tried, started=started, keys=keys, pool_blocks=pool_blocks,
-                                         prefix_aware=self.colocated)
+                                         prefix_aware=True)
             if address is None:
                 break
             tried.add(address)

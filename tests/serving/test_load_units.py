@@ -10,7 +10,7 @@ import pytest
 from daybreak.serving.load.lru import lru_bound
 from daybreak.serving.load.sessions import Session, parse_steps, rate_at
 from daybreak.serving.load.summary import RequestRecord, percentile, summarize
-from daybreak.serving.load.trace import TraceError, TraceRequest, parse_line, read_trace
+from daybreak.serving.load.trace import TraceError, TraceRequest, parse_line, read_trace, sample_by_root
 from daybreak.serving.prompt import parse_prompt, render_chat, tokenize
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -117,3 +117,15 @@ def test_lru_bound_of_the_shared_trace_is_below_the_unbounded_reuse() -> None:
     small = lru_bound(reqs, capacity_blocks=2000)
     assert unbounded.hit_rate is not None and small.hit_rate is not None
     assert 0 < small.hit_rate < unbounded.hit_rate < 1
+
+
+def test_sampling_by_root_block_keeps_prefix_trees_whole() -> None:
+    reqs = [TraceRequest(0, 1024, 1, (8, 1)), TraceRequest(1, 1024, 1, (3, 4)), TraceRequest(2, 1536, 1, (8, 1, 2)),
+            TraceRequest(3, 512, 1, (16,))]
+    assert [r.timestamp_ms for r in sample_by_root(reqs, every=8)] == [0, 2, 3]
+    assert sample_by_root(reqs, every=1) == reqs
+    full = list(read_trace(SHARED_TRACE))
+    sample = sample_by_root(full, every=8)
+    assert len(full) / 12 < len(sample) < len(full) / 5
+    reuse = lru_bound(sample, capacity_blocks=10**9).hit_rate
+    assert reuse is not None and reuse > 0.5  # the full trace's reuse (64% of blocks) survives the sampling

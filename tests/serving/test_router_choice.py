@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daybreak.serving.kube import endpoints_from_slices
+from daybreak.serving.kube import endpoints_from_pods, endpoints_from_pool, endpoints_from_slices
 from daybreak.serving.router.choice import (
     Candidate,
     CostModel,
@@ -118,3 +118,28 @@ def test_only_ready_endpoints_of_the_named_port_are_listed() -> None:
     ]}
     assert endpoints_from_slices(body) == ["127.1.0.5:8000", "127.1.0.7:8000", "[fd00::1]:8000"]
     assert endpoints_from_slices({}) == []
+
+
+def test_ready_pods_stand_in_for_slices_with_their_named_port() -> None:
+    service = {"spec": {"ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}}
+
+    def pod(ip: str, port: int, *, ready: str = "True", deleting: bool = False) -> dict[str, object]:
+        meta: dict[str, object] = {"name": ip}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+        return {"metadata": meta, "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": ready}]}}
+
+    pods = {"items": [pod("127.1.0.1", 8000), pod("127.1.0.2", 8001), pod("127.1.0.3", 8000, ready="False"),
+                      pod("127.1.0.4", 8000, deleting=True), {"metadata": {}, "status": {}}]}
+    assert endpoints_from_pods(service, pods) == ["127.1.0.1:8000", "127.1.0.2:8001"]
+    numeric = {"spec": {"ports": [{"name": "http", "port": 80, "targetPort": 9000}]}}
+    assert endpoints_from_pods(numeric, pods) == ["127.1.0.1:9000", "127.1.0.2:9000"]
+    assert endpoints_from_pods({"spec": {"ports": [{"name": "grpc", "port": 1}]}}, pods) == []
+
+
+def test_pool_status_endpoints_are_objects_with_address_and_port() -> None:
+    pool = {"status": {"endpoints": [{"node": "n1", "address": "127.0.1.1", "port": 7480, "transports": ["tcp"]},
+                                     {"node": "n2", "address": "127.0.1.2", "port": 0}, "127.0.0.1:1", None]}}
+    assert endpoints_from_pool(pool) == ["127.0.1.1:7480"]
+    assert endpoints_from_pool({}) == []
