@@ -1,8 +1,8 @@
 """Shared fixtures: real control planes started from the locally built binaries.
 
 ``kube`` is envtest-style (etcd + kube-apiserver), started once per session.
-``cluster`` is the fuller stack (plus controller-manager, scheduler and kwok
-with two fake Sunrise nodes) for tests marked ``e2e``. Both are torn down at
+``cluster`` is the fuller stack (plus controller-manager, scheduler, kwok
+with two fake Sunrise nodes and the process kubelet) for tests marked ``e2e``. Both are torn down at
 the end of the session; their logs stay under pytest's basetemp for triage.
 """
 
@@ -38,5 +38,9 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """The full local stack with 2 kwok nodes of 8 fake Sunrise devices each."""
-    yield from _start(tmp_path_factory, "e2e", ClusterSpec(nodes=2, devices_per_node=8))
+    """The full local stack with 2 kwok nodes of 8 fake Sunrise devices each.
+
+    The process kubelet is on: pods running ``daybreak`` (the operator's agents, engines and routers, the
+    chart's operator) really run as local processes, everything else stays kwok's.
+    """
+    yield from _start(tmp_path_factory, "e2e", ClusterSpec(nodes=2, devices_per_node=8, process_kubelet=True))

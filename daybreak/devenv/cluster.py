@@ -102,6 +102,7 @@ class LocalCluster:
         self.apiserver_port = 0
         self.kubeconfig = self.directory / "kubeconfig"
         self.kubelet: kubelet_mod.ProcessKubelet | None = None
+        self.slot: kubelet_mod.AddressSlot | None = None
 
     # -- public -----------------------------------------------------------------
     @property
@@ -126,12 +127,14 @@ class LocalCluster:
             if self.spec.controllers:
                 self._start_controllers(binaries, deadline)
             if self.spec.kwok:
+                # This cluster's own loopback addresses (fake nodes, process pods), apart from other clusters'.
+                self.slot = kubelet_mod.claim_slot(self.directory)
                 self._start_kwok(binaries["kwok"])
                 self.create_fake_nodes(self.spec.nodes, deadline=deadline)
                 if self.spec.process_kubelet and self.spec.controllers:
                     self.kubelet = kubelet_mod.ProcessKubelet(
                         directory=self.directory, server=self.server, ca_cert=Path(self.pki.ca_cert),
-                        api_factory=self.api, fake_node_annotation=FAKE_NODE_ANNOTATION,
+                        api_factory=self.api, slot=self.slot, fake_node_annotation=FAKE_NODE_ANNOTATION,
                         progress=self.progress).start()
         except BaseException:
             self.stop()
@@ -146,6 +149,9 @@ class LocalCluster:
         for component in reversed(self._components):
             _terminate(component, grace=10)
         self._components.clear()
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
 
     def restart_apiserver(self, *, downtime: float = 0.0, timeout: float = 60.0) -> None:
         """Stop kube-apiserver, stay down ``downtime`` seconds, start it again on the same port and wait for /readyz.
@@ -195,8 +201,8 @@ class LocalCluster:
                 if self.spec.devices_per_node > 0:  # what a real agent on this node discovers
                     kubelet_mod.write_fake_sysfs(kubelet_mod.node_dir(self.directory, name) / "sys",
                                                  accelerator=self.spec.accelerator, count=self.spec.devices_per_node)
-                resp = api.post("/api/v1/nodes", json=fake_node(name, self.spec,
-                                                                address=kubelet_mod.node_address(i)))
+                address = self.slot.node_address(i) if self.slot is not None else None
+                resp = api.post("/api/v1/nodes", json=fake_node(name, self.spec, address=address))
                 if resp.status_code not in (201, 409):
                     raise ClusterError(f"creating node {name}: {resp.status_code} {resp.text}")
             self.progress(f"waiting for {count} fake node(s) to become Ready")

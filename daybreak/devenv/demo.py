@@ -89,8 +89,10 @@ def operator_demo(cluster: LocalCluster, directory: Path) -> list[Any]:
 
     step("the pools and deployments")
     kubectl(cluster, "get", "kvp,pdd", "-o", "wide")
-    step("their pods (kwok plays the kubelets)")
+    step("their pods: agents, engines and the router run as local processes on their own loopback addresses "
+         "(the process kubelet; `daybreak dev logs POD` shows a log)")
     kubectl(cluster, "get", "pods", "-o", "wide")
+    serving_demo(cluster)
     step("status of sim-llama")
     kubectl(cluster, "get", "pdd", "sim-llama", "-o",
             "jsonpath={range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{'\\n'}{end}"
@@ -102,6 +104,28 @@ def operator_demo(cluster: LocalCluster, directory: Path) -> list[Any]:
     kubectl(cluster, "get", "events", "--field-selector", "source=daybreak-operator",
             "--sort-by=.lastTimestamp")
     return operators
+
+
+def serving_demo(cluster: LocalCluster) -> None:
+    """One streamed completion from the router's pod address: prefill writes KV to the pool, decode reads it."""
+    import json
+
+    import httpx
+
+    router = kubectl_quiet(cluster, "get", "pod", "-l", "daybreak.dev/deployment=sim-llama,daybreak.dev/role=router",
+                           "-o", "jsonpath={.items[0].status.podIP}")
+    step(f"curl -N http://{router}:8000/v1/completions (streamed, through prefill and decode)")
+    body = {"prompt": "Daybreak pools the KV cache of every prefill for every decode. " * 4, "max_tokens": 12,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, usage = [], None
+    with httpx.stream("POST", f"http://{router}:8000/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            text += [c.get("text") or "" for c in chunk.get("choices") or []]
+            usage = chunk.get("usage") or usage
+    print(f"tokens: {''.join(text)!r}\nusage: {json.dumps(usage)}", flush=True)
 
 
 def store_demo(directory: Path) -> None:

@@ -5,9 +5,11 @@ selector that skips these, see ``KWOK_EXCLUSION``). For a pod whose
 container command is ``daybreak`` this kubelet, watching pods through the API
 with the admin credentials:
 
-- gives the pod its own loopback address (``POD_CIDR``; a hostNetwork pod gets
-  its node's 127.0.1.N) and writes phase, conditions, IPs and container
-  statuses through the status subresource;
+- gives the pod its own loopback address and writes phase, conditions, IPs
+  and container statuses through the status subresource. Each cluster claims
+  one ``AddressSlot`` X of 127.0.0.0/8 (a lock file, so clusters of several
+  users or test sessions on one machine never share an address): fake node i
+  is 127.X.0.(i+1), pods get 127.X.1.1 and up, a hostNetwork pod its node's;
 - starts each container's command (``daybreak`` is the venv's script next to
   ``sys.executable``) with its args and env resolved like a kubelet does
   (``$(VAR)``, downward-API fieldRefs, Secret and ConfigMap refs), a per-pod
@@ -45,6 +47,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,9 +61,7 @@ import httpx
 log = logging.getLogger(__name__)
 
 DAYBREAK_COMMAND = "daybreak"
-# Overridable so that two local clusters on one machine (parallel test runs) do not share addresses.
-POD_CIDR = ipaddress.ip_network(os.environ.get("DAYBREAK_DEV_POD_CIDR") or "127.1.0.0/16")
-NODE_ADDRESS_PREFIX = os.environ.get("DAYBREAK_DEV_NODE_PREFIX") or "127.0.1."
+SLOT_LOCK_DIR = Path(tempfile.gettempdir()) / "daybreak-loopback"
 MANAGER = "process-kubelet.daybreak.dev"
 SLICE_SUFFIX = "local"
 # kwok's pod stages skip a pod when any container's command is `daybreak` (kwok's NotIn: no element in the set).
@@ -100,11 +101,54 @@ def shm_root(directory: Path) -> Path:
     return Path("/dev/shm") / f"daybreak-{cluster_id(directory)}"
 
 
-def node_address(index: int) -> str:
-    """The loopback address of fake node ``index`` (0-based)."""
-    if not 0 <= index < 250:
-        raise ValueError(f"fake node index {index} out of range 0..249")
-    return f"{NODE_ADDRESS_PREFIX}{index + 1}"
+@dataclass
+class AddressSlot:
+    """One cluster's share of 127.0.0.0/8: 127.X.0.0/16, held through an flock on a file while the cluster runs.
+
+    The lock dies with its process, so a crashed cluster's slot is free again at once.
+    """
+
+    index: int
+    fd: int = -1
+
+    @property
+    def network(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"127.{self.index}.0.0/16")
+
+    @property
+    def node_prefix(self) -> str:
+        return f"127.{self.index}.0."
+
+    def node_address(self, index: int) -> str:
+        """The loopback address of fake node ``index`` (0-based)."""
+        if not 0 <= index < 254:
+            raise ValueError(f"fake node index {index} out of range 0..253")
+        return f"{self.node_prefix}{index + 1}"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def claim_slot(directory: Path) -> AddressSlot:
+    """A free slot, trying first the one the cluster directory hashes to (so a cluster usually keeps its addresses)."""
+    import fcntl
+
+    SLOT_LOCK_DIR.mkdir(mode=0o1777, parents=True, exist_ok=True)
+    start = int(cluster_id(directory), 16) % 254
+    for i in range(254):
+        index = (start + i) % 254 + 1  # 1..254: 127.0.x.x stays the control plane's
+        fd = os.open(SLOT_LOCK_DIR / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {directory}\n".encode())
+        return AddressSlot(index, fd)
+    raise RuntimeError(f"all 254 loopback address slots are taken (locks in {SLOT_LOCK_DIR}); stop a local cluster")
 
 
 def node_dir(directory: Path, node: str) -> Path:
@@ -370,6 +414,7 @@ class PodWorker(threading.Thread):
         self.prepared = False
         self.prepare_error = ""
         self.terminating = False
+        self.patch_not_before = 0.0  # after a failed status patch: retry, but not every tick
 
     # called from the watch thread
     def update(self, pod: dict[str, Any]) -> None:
@@ -828,6 +873,9 @@ class PodWorker(threading.Thread):
         comparable = json.dumps(status, sort_keys=True)
         if self.last_status is not None and json.dumps(self.last_status, sort_keys=True) == comparable:
             return
+        if time.monotonic() < self.patch_not_before:
+            return
+        self.patch_not_before = time.monotonic() + 1.0  # cleared on success
         try:
             # Strategic merge: conditions merge by type, so PodScheduled (the scheduler's) stays.
             resp = api.patch(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status",
@@ -844,6 +892,7 @@ class PodWorker(threading.Thread):
                         self.pod_name, resp.status_code, resp.text[:300])
             return
         self.last_status = status
+        self.patch_not_before = 0.0
         self.kubelet.endpoints_changed(self.namespace)
 
 
@@ -856,6 +905,7 @@ class ProcessKubelet:
     server: str
     ca_cert: Path
     api_factory: ApiFactory
+    slot: AddressSlot
     fake_node_annotation: str = "kwok.x-k8s.io/node"
     progress: Callable[[str], None] = print
     workers: dict[str, PodWorker] = field(default_factory=dict)
@@ -868,7 +918,7 @@ class ProcessKubelet:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._ips: dict[str, str] = {}
-        self._next_ip = 1
+        self._next_ip = 0
         self._nodes: dict[str, str] = {}  # node -> address (empty: not a fake node)
         self._extra_node_index = 200
         self._processes: set[subprocess.Popen[bytes]] = set()
@@ -925,20 +975,20 @@ class ProcessKubelet:
         return path
 
     def allocate_ip(self, uid: str) -> str:
-        """A loopback address of POD_CIDR of its own for the pod ``uid`` (kept until the pod is gone)."""
+        """A loopback address of its own for the pod ``uid`` (kept until the pod is gone): 127.X.1.1 and up."""
+        network = self.slot.network
+        first, count = 256, network.num_addresses - 256  # 127.X.0.0/24 is the nodes'
         with self._lock:
             if uid in self._ips:
                 return self._ips[uid]
             used = set(self._ips.values())
-            size = POD_CIDR.num_addresses
-            for _ in range(size):
-                candidate = POD_CIDR.network_address + self._next_ip
-                self._next_ip = self._next_ip % (size - 2) + 1
-                text = str(candidate)
-                if text not in used and not text.endswith((".0", ".255")):
-                    self._ips[uid] = text
-                    return text
-        raise ValueError(f"no free pod address left in {POD_CIDR}")
+            for _ in range(count):
+                candidate = str(network.network_address + first + self._next_ip)
+                self._next_ip = (self._next_ip + 1) % count
+                if candidate not in used and not candidate.endswith((".0", ".255")):
+                    self._ips[uid] = candidate
+                    return candidate
+        raise ValueError(f"no free pod address left in {network}")
 
     def node_ip(self, api: httpx.Client, node: str) -> str:
         """The node's loopback InternalIP (127.0.1.N); a node made without one gets one of its own here."""
@@ -949,9 +999,9 @@ class ProcessKubelet:
         address = next((a["address"] for a in (obj.get("status") or {}).get("addresses") or []
                         if a.get("type") == "InternalIP"), "")
         with self._lock:
-            if not address.startswith(NODE_ADDRESS_PREFIX):
+            if not address.startswith(self.slot.node_prefix):
                 # Not made by LocalCluster.create_fake_nodes: the kubelet's own address, not published.
-                address = f"{NODE_ADDRESS_PREFIX}{self._extra_node_index}"
+                address = self.slot.node_address(self._extra_node_index)
                 self._extra_node_index += 1
             self._nodes[node] = address
         return address

@@ -74,14 +74,23 @@ def test_probe_thresholds_and_initial_delay() -> None:
         k.resolve_port("grpc", {"name": "c", "ports": []})
 
 
-def test_addresses_are_loopback_and_kept_apart() -> None:
-    assert k.node_address(0) == "127.0.1.1" and k.node_address(1) == "127.0.1.2"
-    kubelet = k.ProcessKubelet(directory=Path("/nonexistent"), server="https://x", ca_cert=Path("/ca"),
-                               api_factory=lambda: None)  # type: ignore[arg-type,return-value]
-    ips = {kubelet.allocate_ip(f"uid-{i}") for i in range(300)}
-    assert len(ips) == 300 and all(ip.startswith("127.1.") for ip in ips)
-    assert not any(ip.endswith((".0", ".255")) for ip in ips)
-    assert kubelet.allocate_ip("uid-7") in ips  # stable per pod
+def test_addresses_are_loopback_and_kept_apart(tmp_path: Path) -> None:
+    first, second = k.claim_slot(tmp_path / "a"), k.claim_slot(tmp_path / "a")
+    try:
+        assert first.index != second.index  # one slot per running cluster, even for the same directory
+        assert first.node_address(0) == f"127.{first.index}.0.1" and first.node_address(1) == f"127.{first.index}.0.2"
+        kubelet = k.ProcessKubelet(directory=tmp_path, server="https://x", ca_cert=Path("/ca"), slot=first,
+                                   api_factory=lambda: None)  # type: ignore[arg-type,return-value]
+        ips = {kubelet.allocate_ip(f"uid-{i}") for i in range(300)}
+        assert len(ips) == 300 and all(ip.startswith(f"127.{first.index}.") for ip in ips)
+        assert not any(ip.endswith((".0", ".255")) or ip.startswith(first.node_prefix) for ip in ips)
+        assert kubelet.allocate_ip("uid-7") in ips  # stable per pod
+    finally:
+        first.release()
+        second.release()
+    again = k.claim_slot(tmp_path / "a")  # released: the directory's preferred slot is free again
+    assert again.index == first.index
+    again.release()
     assert k.shm_root(Path("/a")) != k.shm_root(Path("/b"))
 
 

@@ -137,7 +137,7 @@ def test_a_daybreak_pod_binds_its_loopback_address_is_ready_by_its_probe_and_in_
     pods.create(pod_manifest("web-unready", labels={"tier": "web"}, probe_path="/missing"))
     pod = wait_for("web-ok Ready", lambda: pods.ready("web-ok"))
     ip = pod["status"]["podIP"]
-    assert ipaddress.ip_address(ip) in kubelet_mod.POD_CIDR
+    assert cluster.slot is not None and ipaddress.ip_address(ip) in cluster.slot.network
     node = pod["spec"]["nodeName"]
     assert pod["status"]["hostIP"] == next(a["address"] for a in (pods.api.get(f"/api/v1/nodes/{node}").json()
                                                                    ["status"]["addresses"]) if a["type"] == "InternalIP")
@@ -245,10 +245,11 @@ def test_deletion_sends_sigterm_and_honours_the_grace_period(pods: Pods) -> None
     assert "got SIGTERM" in stuck_log and "testpod stopped" not in stuck_log  # SIGKILLed at the grace period
 
 
-def test_a_host_network_pod_binds_its_nodes_address(pods: Pods) -> None:
+def test_a_host_network_pod_binds_its_nodes_address(pods: Pods, cluster: LocalCluster) -> None:
     pods.create(pod_manifest("hostnet", node="daybreak-node-1", host_network=True, port=18765))
     pod = wait_for("hostnet Ready", lambda: pods.ready("hostnet"))
-    node_ip = kubelet_mod.node_address(1)
+    assert cluster.slot is not None
+    node_ip = cluster.slot.node_address(1)
     assert pod["status"]["podIP"] == pod["status"]["hostIP"] == node_ip
     assert httpx.get(f"http://{node_ip}:18765/env", timeout=5).json()["POD_IP"] == node_ip
 
