@@ -53,8 +53,8 @@ from daybreak.operator.kube import (
     KubeError,
     Manifest,
 )
-from daybreak.operator.policy import PolicyError, pool_violations
 from daybreak.operator.planner import Decision
+from daybreak.operator.policy import PolicyError, pool_violations
 from daybreak.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
