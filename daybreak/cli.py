@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim-engine": ("daybreak.serving.sim", "run a simulated prefill or decode engine"),
     "router": ("daybreak.serving.router", "run the PD request router"),
     "load": ("daybreak.serving.load", "replay a trace or generate sessions against an OpenAI-compatible URL"),
+    "credentials": ("daybreak.credentials_cmd", "print a pool credential scoped to one kvNamespace"),
 }
 
 
