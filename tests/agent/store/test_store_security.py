@@ -398,3 +398,13 @@ def test_keep_segments_then_orphan_reclaim(pool: dict[str, object]) -> None:
     assert not [p_ for p_ in kept if p_.exists()], "the orphaned tier is reclaimed"
     assert "event=orphan_reclaimed" in other.log
     other.stop()
+
+
+def test_member_list_is_bounded() -> None:
+    from daybreak.agent.store.peers import MAX_PEERS, Membership
+
+    members = Membership(address="127.0.0.1:1", token=b"x" * 32)
+    for i in range(MAX_PEERS + 30):  # 1,030 names, as in the report
+        members.heard(p.Member(f"fake{i}", f"10.9.{i // 250}.{i % 250}:7480", 0))
+    assert len(members.members()) == MAX_PEERS + 1  # the bound, plus itself
+    members.close()
