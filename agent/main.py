@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-seconds", type=int, help="how long a reader's lease protects a block")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (bound to the "
                         "--listen address)")
+    parser.add_argument("--tls-cert", help="PEM certificate: serve the store protocol over TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA bundle the agent checks its peers against (with --tls-cert)")
     parser.add_argument("--keep-segments", action="store_true", default=None,
                         help="standalone: keep the DRAM tier in /dev/shm after a clean stop")
     parser.add_argument("--handshake-seconds", type=float, help="deadline of a connection's whole handshake")
@@ -94,6 +97,7 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
         "eviction_policy": args.eviction, "high_watermark": args.high_watermark,
         "low_watermark": args.low_watermark, "lease_seconds": args.lease_seconds,
         "metrics_port": args.metrics_port, "keep_segments": args.keep_segments,
+        "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key, "tls_ca_file": args.tls_ca,
         "handshake_seconds": args.handshake_seconds, "idle_seconds": args.idle_seconds,
         "io_seconds": args.io_seconds, "max_connections": args.max_connections,
         "max_connections_per_address": args.max_connections_per_address, "orphan_seconds": args.orphan_seconds,
@@ -102,6 +106,8 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
     settings = AgentSettings.load(config_file=args.config, overrides=overrides)
     if settings.ssd_bytes and not settings.ssd_path:
         raise ValueError("--ssd: needs --ssd-path (the directory for the SSD tier)")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ValueError("--tls-cert and --tls-key: give both (or neither)")
     if settings.standalone and not settings.token_file:
         raise ValueError("--token-file: required with --standalone (agents of one pool share it)")
     return settings
@@ -164,11 +170,19 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
         low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
     store.open()
+    tls = peer_tls = None
+    if settings.tls_cert_file:
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        peer_tls = ssl.create_default_context(cafile=settings.tls_ca_file or None)
     server = StoreServer(store, listen=settings.listen, token=token, pool=pool, advertise=settings.advertise,
                          peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds,
                          limits=Limits(handshake_seconds=settings.handshake_seconds, idle_seconds=settings.idle_seconds,
                                        io_seconds=settings.io_seconds, max_connections=settings.max_connections,
-                                       max_connections_per_address=settings.max_connections_per_address))
+                                       max_connections_per_address=settings.max_connections_per_address),
+                         tls=tls, peer_tls=peer_tls)
     return server
 
 

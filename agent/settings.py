@@ -64,6 +64,9 @@ class AgentSettings(BaseModel):
                               "16 MiB/s)")
     max_connections: int = Field(1024, ge=1, description="connections per agent")
     max_connections_per_address: int = Field(256, ge=1, description="connections per client address")
+    tls_cert_file: str = Field("", description="PEM certificate the store serves TLS with; empty: plain tcp")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against")
     keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm after a clean stop "
                                 "(for a restart that re-adopts it)")
     orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm with no live owner and untouched "

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import logging
 import re
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -67,11 +68,13 @@ class KVPoolClient:
     ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
     ``local_first``: write the first copy to this node's agent (the first endpoint reached through
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
+    ``tls_ca_file``: speak TLS to the agents (started with ``--tls-cert``), checking their
+    certificates against this CA bundle (docs/security.md has the cost).
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
-                 verify: bool = True, local_first: bool = True) -> None:
+                 verify: bool = True, local_first: bool = True, tls_ca_file: str | None = None) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -89,6 +92,7 @@ class KVPoolClient:
                 f"not authorized: the credential is scoped to namespace {scope.namespace!r}, this client uses "
                 f"{namespace!r}; use that deployment's credential (`daybreak credentials --namespace {namespace}`)")
         self._endpoints = list(endpoints)
+        self._tls = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else None
         self._token = token.encode()
         self._prefix = namespace + "/"
         self._transport = transport
@@ -321,7 +325,7 @@ class KVPoolClient:
             return conn
         address = self._members.get(agent, agent)
         try:
-            conn = Connection(address, token=self._token, timeout_seconds=self._timeout)
+            conn = Connection(address, token=self._token, timeout_seconds=self._timeout, tls=self._tls)
         except (RemoteError, AuthenticationFailed) as exc:
             raise KVPoolError(f"agent {address} refused the client: {exc}") from None
         self._conns[agent] = conn

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 from collections.abc import Sequence
 
 from daybreak.errors import DaybreakError
@@ -40,7 +41,8 @@ def parse_address(address: str, *, default_port: int = 7480) -> tuple[str, int]:
 class Connection:
     """A connected, authenticated socket to one agent."""
 
-    def __init__(self, address: str, *, token: bytes, timeout_seconds: float = 30.0, client: str = "") -> None:
+    def __init__(self, address: str, *, token: bytes, timeout_seconds: float = 30.0, client: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
         """``token``: a credential (``pool/credentials.py``: the pool secret, an agent or a namespace credential).
 
         Raises AuthenticationFailed (the agent did not prove this pool's key) or RemoteError (it refused ours).
@@ -48,8 +50,14 @@ class Connection:
         self.address = address
         self.scope, key = credentials.parse(token.decode(errors="replace"))
         host, port = parse_address(address)
-        self.sock = socket.create_connection((host, port), timeout=timeout_seconds)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw = socket.create_connection((host, port), timeout=timeout_seconds)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            # TLS (docs/security.md): the agent's certificate is checked against ``tls``'s CAs and the host.
+            self.sock = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+        except BaseException:
+            raw.close()
+            raise
         self._ids = itertools.count(1)
         try:
             self.hello = client_hello(_HelloChannel(self), key=key, scope=self.scope.claim, identity=client)

@@ -68,6 +68,12 @@ def send_all(sock: socket.socket, parts: Sequence[Buffer], *, deadline: float | 
     it is sending) past it.
     """
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if hasattr(sock, "cipher"):  # a TLS socket has no sendmsg: each buffer goes through the cipher in turn
+        for view in views:
+            while len(view):
+                until(sock, deadline)
+                view = view[sock.send(view):]
+        return
     first = 0
     while first < len(views):
         until(sock, deadline)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -46,9 +47,10 @@ class Peer:
 class PeerPool:
     """Idle connections to other agents, borrowed one request at a time."""
 
-    def __init__(self, token: bytes, agent_id: str) -> None:
+    def __init__(self, token: bytes, agent_id: str, tls: ssl.SSLContext | None = None) -> None:
         self.token = token
         self.agent_id = agent_id
+        self.tls = tls
         self._idle: dict[str, list[tuple[Connection, float]]] = {}
         self._lock = threading.Lock()
 
@@ -61,7 +63,8 @@ class PeerPool:
             conn.close()
             conn = None
         if conn is None:
-            conn = Connection(address, token=self.token, timeout_seconds=timeout_seconds, client=self.agent_id)
+            conn = Connection(address, token=self.token, timeout_seconds=timeout_seconds, client=self.agent_id,
+                              tls=self.tls)
         try:
             yield conn
         except BaseException:
@@ -86,11 +89,12 @@ class PeerPool:
 class Membership:
     """The peers this agent knows, kept live by heartbeats; ``leaving`` is this agent's own state."""
 
-    def __init__(self, *, address: str, token: bytes, peers: list[str] | None = None) -> None:
+    def __init__(self, *, address: str, token: bytes, peers: list[str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address
         self.agent_id = address
         self.leaving = False
-        self.conns = PeerPool(token, self.agent_id)
+        self.conns = PeerPool(token, self.agent_id, tls)
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         for peer in peers or []:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 
 from daybreak.agent.store.engine import BlockStore
@@ -39,7 +40,8 @@ class StoreServer:
 
     def __init__(self, store: BlockStore, *, listen: str, token: bytes, pool: str, advertise: str = "",
                  peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, tls: ssl.SSLContext | None = None,
+                 peer_tls: ssl.SSLContext | None = None) -> None:
         self.store = store
         self.pool = pool
         host, port = parse_address(listen)
@@ -50,7 +52,8 @@ class StoreServer:
         bound_port = self.sock.getsockname()[1]
         self.address = advertise or f"{host if host not in ('0.0.0.0', '::') else socket.gethostname()}:{bound_port}"
         self.agent_id = self.address
-        self.membership = Membership(address=self.address, token=agent_credential(token).encode(), peers=peers)
+        self.membership = Membership(address=self.address, token=agent_credential(token).encode(), peers=peers,
+                                     tls=peer_tls)
         # A segment holding a nonce: a client that can map it shares this node's /dev/shm.
         nonce = secrets.token_bytes(16)
         self.probe = ShmSegment.create(f"{store.shm_prefix}-probe", 4096, exist_ok=True)
@@ -60,7 +63,7 @@ class StoreServer:
                                lease_seconds=lease_seconds)
         self.pull = PullThrough(store=store, membership=self.membership, records=self.records)
         self.service = Service(store=store, secret=token, membership=self.membership, handoff=self.handoff,
-                               records=self.records, pull=self.pull, limits=limits,
+                               records=self.records, pull=self.pull, limits=limits, tls=tls,
                                welcome=Welcome(pool=pool, shm_probe=self.probe.name, shm_nonce=nonce,
                                                lease_seconds=lease_seconds, replicas=replicas))
         self._closed = self.service.closed

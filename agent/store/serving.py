@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -96,7 +97,8 @@ class Service:
     """Answers requests on accepted connections against one ``BlockStore`` and the pool machinery."""
 
     def __init__(self, *, store: BlockStore, secret: bytes, welcome: Welcome, membership: Membership,
-                 handoff: HandOff, records: Records, pull: PullThrough, limits: Limits | None = None) -> None:
+                 handoff: HandOff, records: Records, pull: PullThrough, limits: Limits | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store = store
         self.secret = secret
         self.welcome = welcome
@@ -105,6 +107,7 @@ class Service:
         self.records = records
         self.pull = pull
         self.limits = limits or Limits()
+        self.tls = tls
         self.closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -213,8 +216,19 @@ class Service:
     def serve(self, conn: socket.socket, peer: str) -> None:
         host = peer.rpartition(":")[0]
         session: Session | None = None
+        raw = conn
+        deadline = time.monotonic() + self.limits.handshake_seconds
         try:
-            channel = _HelloChannel(conn, self._error, deadline=time.monotonic() + self.limits.handshake_seconds)
+            if self.tls is not None:  # the TLS handshake counts against the same deadline
+                conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                with self._conns_lock:  # shutdown_connections must reach the socket that owns the fd now
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
+                    if self._preauth.pop(raw, None) is not None:
+                        self._preauth[conn] = host
+                until(conn, deadline)
+                conn.do_handshake()
+            channel = _HelloChannel(conn, self._error, deadline=deadline)
             try:
                 hello = server_accept(channel, key_for=self.key_for)
             except AuthenticationFailed:
@@ -246,7 +260,7 @@ class Service:
                     self._error(conn, header.request_id, f"not authorized: {exc}")
                     return
                 self.store.metrics.latency.labels(op=header.op.name.lower()).observe(time.perf_counter() - started)
-        except p.ProtocolError as exc:
+        except (p.ProtocolError, ssl.SSLError) as exc:
             self.store.metrics.rejected.labels(reason="protocol").inc()
             log.warning("event=connection_closed agent=%s peer=%s reason=%r", self.agent_id, peer, str(exc))
         except (ConnectionError, TimeoutError, OSError) as exc:
@@ -255,8 +269,9 @@ class Service:
             if session is not None:
                 self._end_session(session)
             with self._conns_lock:
-                self._conns.discard(conn)
-                self._preauth.pop(conn, None)
+                for sock in (raw, conn):
+                    self._conns.discard(sock)
+                    self._preauth.pop(sock, None)
                 self._per_host[host] -= 1
                 if self._per_host[host] <= 0:
                     del self._per_host[host]
@@ -333,20 +348,18 @@ class Service:
         # comes reserves (and evicts for) nothing, and a stalled body holds its space only until the deadline.
         try:
             for key, size, checksum in zip(req.keys, req.sizes, req.checksums, strict=True):
-                if size:
-                    until(conn, deadline)
-                    if not conn.recv(1, socket.MSG_PEEK):
-                        raise ConnectionError("peer closed the connection inside a PUT body")
+                first = recv_exact(conn, 1, deadline=deadline) if size else bytearray()
                 with self.handoff.admitting(replica=replica) as refused:
                     slot = p.Status.LEAVING if refused else self.store.reserve(
                         key, size, checksum, tier=tier, pin_seconds=req.pin_seconds)
                 if not isinstance(slot, Reservation):
-                    discard(conn, size, deadline=deadline)
+                    discard(conn, size - len(first), deadline=deadline)
                     infos.append(p.BlockInfo(slot))
                     continue
                 written.append(slot)
                 target = self.store.write_buffer(slot)
-                recv_exact_into(conn, target, deadline=deadline)
+                target[:len(first)] = first
+                recv_exact_into(conn, target[len(first):], deadline=deadline)
                 if crc32c(target) != slot.checksum:  # the writer's checksum is checked, not trusted
                     written.pop()
                     self.store.commit([slot], ok=False)
