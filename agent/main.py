@@ -2,9 +2,11 @@
 
 Standalone: ``daybreak agent --standalone --listen ADDR:P --dram 2Gi [--ssd-path DIR --ssd 8Gi]
 [--peers ADDR:P,...] [--replicas R] --token-file F`` serves this node's tier of a pool whose
-agents share the token in F (written fresh when F does not exist) and logs one line containing
-``ready`` once it accepts requests. SIGTERM or SIGINT make it hand its blocks to the other
-agents first, then exit; its DRAM segments stay in /dev/shm for the next start to re-adopt.
+agents share the pool secret in F (written fresh, mode 0600, when F does not exist) and logs one
+line containing ``ready`` once it accepts requests. SIGTERM or SIGINT make it hand its blocks to
+the other agents first, then exit and remove its DRAM tier from /dev/shm (``--keep-segments``
+leaves it for the next start to re-adopt; a crash leaves it too, and tiers nobody re-adopts
+within ``orphan_seconds`` are removed by the next agent that starts).
 
 In a cluster the same store runs next to the node's discovery and publishing
 (``daybreak.agent.node``), configured from the environment the DaemonSet sets.
@@ -66,7 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--high-watermark", type=float, help="fill fraction at which eviction starts")
     parser.add_argument("--low-watermark", type=float, help="fill fraction eviction frees down to")
     parser.add_argument("--lease-seconds", type=int, help="how long a reader's lease protects a block")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (bound to the "
+                        "--listen address)")
+    parser.add_argument("--tls-cert", help="PEM certificate: serve the store protocol over TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA bundle the agent checks its peers against (with --tls-cert)")
+    parser.add_argument("--keep-segments", action="store_true", default=None,
+                        help="standalone: keep the DRAM tier in /dev/shm after a clean stop")
+    parser.add_argument("--handshake-seconds", type=float, help="deadline of a connection's whole handshake")
+    parser.add_argument("--idle-seconds", type=float, help="close authenticated connections idle this long")
+    parser.add_argument("--io-seconds", type=float, help="deadline of a request's body or reply")
+    parser.add_argument("--max-connections", type=int, help="connections per agent")
+    parser.add_argument("--max-connections-per-address", type=int, help="connections per client address")
+    parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers idle this long")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
 
@@ -82,18 +96,31 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
         "replicas": args.replicas, "token_file": args.token_file, "pool_name": args.pool,
         "eviction_policy": args.eviction, "high_watermark": args.high_watermark,
         "low_watermark": args.low_watermark, "lease_seconds": args.lease_seconds,
-        "metrics_port": args.metrics_port, **sizes,
+        "metrics_port": args.metrics_port, "keep_segments": args.keep_segments,
+        "tls_cert_file": args.tls_cert, "tls_key_file": args.tls_key, "tls_ca_file": args.tls_ca,
+        "handshake_seconds": args.handshake_seconds, "idle_seconds": args.idle_seconds,
+        "io_seconds": args.io_seconds, "max_connections": args.max_connections,
+        "max_connections_per_address": args.max_connections_per_address, "orphan_seconds": args.orphan_seconds,
+        **sizes,
     }
     settings = AgentSettings.load(config_file=args.config, overrides=overrides)
     if settings.ssd_bytes and not settings.ssd_path:
         raise ValueError("--ssd: needs --ssd-path (the directory for the SSD tier)")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ValueError("--tls-cert and --tls-key: give both (or neither)")
     if settings.standalone and not settings.token_file:
         raise ValueError("--token-file: required with --standalone (agents of one pool share it)")
     return settings
 
 
 def load_token(path: str) -> bytes:
-    """Read the pool token, or write a fresh one atomically when the file does not exist yet."""
+    """Read the pool secret, or write a fresh one (0600) atomically when the file does not exist yet.
+
+    Refused: a secret shorter than ``MIN_SECRET_CHARS`` and a file others may write (either lets
+    someone else into the pool).
+    """
+    from daybreak.pool.credentials import MIN_SECRET_CHARS
+
     file = Path(path)
     try:
         fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -103,9 +130,16 @@ def load_token(path: str) -> bytes:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
         log.info("event=token_created path=%s", file)
+    mode = file.stat().st_mode
+    if mode & 0o022:
+        raise ValueError(f"--token-file: {file} is writable by others (mode {oct(mode & 0o777)}); "
+                         f"chmod 600 it, or anyone on the host can replace the pool secret")
     token = file.read_text().strip()
     if not token:
         raise ValueError(f"--token-file: {file} is empty")
+    if len(token) < MIN_SECRET_CHARS:
+        raise ValueError(f"--token-file: the pool secret in {file} has {len(token)} characters, fewer than "
+                         f"{MIN_SECRET_CHARS}; remove the file to have a fresh one written")
     return token.encode()
 
 
@@ -113,7 +147,8 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
     """The node's BlockStore and its StoreServer, not yet started."""
     from daybreak.agent.store.engine import BlockStore, StoreConfig
     from daybreak.agent.store.server import StoreServer
-    from daybreak.agent.store.tiers import HbmTier, slug
+    from daybreak.agent.store.serving import Limits
+    from daybreak.agent.store.tiers import HbmTier, reclaim_orphans, slug
 
     pool = settings.pool_name or "standalone"
     hbm = None
@@ -127,27 +162,43 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
             log.warning("event=hbm_disabled reason=%r", "no accelerator runtime loaded: " +
                         "; ".join(f"{k}: {v}" for k, v in loaded.skipped.items()))
     address = settings.advertise or settings.listen
+    prefix = f"daybreak-{slug(pool)}-{slug(address)}"
+    reclaim_orphans(older_than_seconds=settings.orphan_seconds, keep=prefix)
     store = BlockStore(StoreConfig(
-        prefix=f"daybreak-{slug(pool)}-{slug(address)}", dram_bytes=settings.dram_bytes,
+        prefix=prefix, dram_bytes=settings.dram_bytes,
         ssd_path=str(Path(settings.ssd_path) / slug(address)) if settings.ssd_path else "",
         ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
         low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
     store.open()
+    tls = peer_tls = None
+    if settings.tls_cert_file:
+        import ssl
+
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+        peer_tls = ssl.create_default_context(cafile=settings.tls_ca_file or None)
     server = StoreServer(store, listen=settings.listen, token=token, pool=pool, advertise=settings.advertise,
-                         peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds)
+                         peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds,
+                         limits=Limits(handshake_seconds=settings.handshake_seconds, idle_seconds=settings.idle_seconds,
+                                       io_seconds=settings.io_seconds, max_connections=settings.max_connections,
+                                       max_connections_per_address=settings.max_connections_per_address),
+                         tls=tls, peer_tls=peer_tls)
     return server
 
 
 def start_store(settings: AgentSettings) -> Any:
     """Open the tiers, start serving and log ``ready``; returns the running StoreServer."""
+    from daybreak.pool.connection import parse_address
+
     token = load_token(settings.token_file)
     server = build_store(settings, token=token)
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        # On the store's own address: agents of several fake nodes share one host (the local cluster).
-        host = settings.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-        start_http_server(settings.metrics_port, addr=host, registry=server.store.metrics.registry)
+        # On the store's own address: agents of several fake nodes share one host (the local cluster), and
+        # --listen 127.0.0.1 keeps /metrics off the network too.
+        start_http_server(settings.metrics_port, addr=parse_address(settings.listen)[0],
+                          registry=server.store.metrics.registry)
     server.start()
     stats = server.store.stats()
     log.info("event=ready agent=%s pool=%s blocks=%d dram_bytes=%d peers=%d", server.agent_id, server.pool,
@@ -155,14 +206,17 @@ def start_store(settings: AgentSettings) -> Any:
     return server
 
 
-def stop_store(server: Any) -> None:
-    """Hand blocks to the other agents, then close (DRAM segments stay for the next start)."""
+def stop_store(server: Any, *, remove: bool = False) -> None:
+    """Hand blocks to the other agents, then close; ``remove`` also deletes the DRAM tier from /dev/shm.
+
+    Kept (``remove=False``) for a restart or an upgrade to re-adopt; removed when nobody will.
+    """
     log.info("event=stopping agent=%s", server.agent_id)
     try:
         server.leave()
     finally:
         server.close()
-        server.store.close()
+        server.store.close(unlink=remove or getattr(server, "flush_on_stop", False))
     log.info("event=stopped agent=%s", server.agent_id)
 
 
@@ -170,7 +224,7 @@ def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
     """Standalone: run the store until ``stop`` is set."""
     server = start_store(settings)
     stop.wait()
-    stop_store(server)
+    stop_store(server, remove=not settings.keep_segments)
     return 0
 
 
@@ -194,7 +248,8 @@ async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Ev
     api = await load_client(settings.kubeconfig)
     try:
         await follow_pool_endpoints(api, namespace=settings.pool_namespace, pool=settings.pool_name,
-                                    on_change=server.set_peers, stop=stop)
+                                    on_change=server.set_peers, stop=stop,
+                                    on_deleted=lambda: setattr(server, "flush_on_stop", True))
     finally:
         await api.close()
 

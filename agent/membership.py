@@ -32,8 +32,11 @@ def pool_endpoints(pool: Mapping[str, Any]) -> list[str]:
 
 async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str,
                                 on_change: Callable[[list[str]], None], stop: asyncio.Event,
-                                timeout_seconds: int = 300) -> None:
-    """Call ``on_change`` with the pool's endpoint list whenever it changes, until ``stop`` is set."""
+                                timeout_seconds: int = 300, on_deleted: Callable[[], None] | None = None) -> None:
+    """Call ``on_change`` with the pool's endpoint list whenever it changes, until ``stop`` is set.
+
+    ``on_deleted`` runs when the pool itself is deleted (its agent then flushes its tier on stop).
+    """
     custom = k8s_client.CustomObjectsApi(api)
     current: list[str] | None = None
     backoff = 1.0
@@ -48,6 +51,8 @@ async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, po
                 backoff = 1.0
                 if event.get("type") == "DELETED":
                     addresses: list[str] = []
+                    if on_deleted is not None:
+                        on_deleted()
                 else:
                     addresses = pool_endpoints(event.get("raw_object") or {})
                 if addresses != current:

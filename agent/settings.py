@@ -57,6 +57,20 @@ class AgentSettings(BaseModel):
     high_watermark: float = Field(0.9, gt=0, le=1, description="tier fill fraction at which eviction starts")
     low_watermark: float = Field(0.8, ge=0, lt=1, description="tier fill fraction eviction frees down to")
     lease_seconds: int = Field(10, ge=1, le=3600, description="how long a reader's lease protects a block")
+    handshake_seconds: float = Field(10.0, gt=0, le=300, description="one deadline for a connection's whole "
+                                     "handshake")
+    idle_seconds: float = Field(300.0, gt=0, description="an authenticated connection idle this long is closed")
+    io_seconds: float = Field(30.0, gt=0, description="deadline of one request's body or reply (plus size at "
+                              "16 MiB/s)")
+    max_connections: int = Field(1024, ge=1, description="connections per agent")
+    max_connections_per_address: int = Field(256, ge=1, description="connections per client address")
+    tls_cert_file: str = Field("", description="PEM certificate the store serves TLS with; empty: plain tcp")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against")
+    keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm after a clean stop "
+                                "(for a restart that re-adopts it)")
+    orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm with no live owner and untouched "
+                                  "this long are removed at start")
 
     # -- transfer engine ------------------------------------------------------------
     transfer_listen: str = Field("0.0.0.0:0", description="host:port of the transfer engine's tcp server; "

@@ -13,6 +13,6 @@ memoryview, mmap, C-contiguous numpy arrays); reads land directly in them.
 
 from daybreak.client.aio import AsyncKVPoolClient
 from daybreak.client.hashing import block_hashes
-from daybreak.client.pool import KVPoolClient, KVPoolError
+from daybreak.client.pool import KVPoolAuthorizationError, KVPoolClient, KVPoolError
 
-__all__ = ["AsyncKVPoolClient", "KVPoolClient", "KVPoolError", "block_hashes"]
+__all__ = ["AsyncKVPoolClient", "KVPoolAuthorizationError", "KVPoolClient", "KVPoolError", "block_hashes"]

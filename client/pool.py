@@ -14,14 +14,17 @@ import contextlib
 import ctypes
 import logging
 import re
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from daybreak.errors import DaybreakError
+from daybreak.pool import credentials
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
 from daybreak.pool.shm import ShmSegment, populate
 
@@ -31,10 +34,15 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DOWN_SECONDS = 2.0
 _MAX_BATCH_KEYS = 1024
 _MAX_BATCH_BYTES = 1 << 30
+_MAX_IDLE_SECONDS = 60.0  # reconnect before reusing an older idle connection (agents close idle ones)
 
 
 class KVPoolError(DaybreakError):
     """The pool could not be reached or refused the client (for example a wrong token)."""
+
+
+class KVPoolAuthorizationError(KVPoolError):
+    """The credential does not allow this: another namespace, or an operation for the pool's agents only."""
 
 
 def _view(buffer: Any, index: int, *, writable: bool) -> memoryview:
@@ -53,17 +61,20 @@ class KVPoolClient:
     """A synchronous client of one KV pool. Not thread-safe: use one per thread, or ``AsyncKVPoolClient``.
 
     ``endpoints``: any agents of the pool (``host:port``); the rest are learned from them.
-    ``token``: the pool token. ``namespace``: the deployment's kvNamespace; keys of different
+    ``token``: a credential: the namespace credential of this deployment (``daybreak credentials``),
+    or the pool secret (admin, every namespace). ``namespace``: the deployment's kvNamespace; keys of different
     namespaces never collide. ``replicas``: copies written per block (default: the pool's setting).
     ``transport``: ``"auto"`` uses shared memory with same-node agents, ``"tcp"`` never does.
     ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
     ``local_first``: write the first copy to this node's agent (the first endpoint reached through
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
+    ``tls_ca_file``: speak TLS to the agents (started with ``--tls-cert``), checking their
+    certificates against this CA bundle (docs/security.md has the cost).
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
-                 verify: bool = True, local_first: bool = True) -> None:
+                 verify: bool = True, local_first: bool = True, tls_ca_file: str | None = None) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -72,7 +83,16 @@ class KVPoolClient:
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if replicas is not None and replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
+        try:
+            scope, _ = credentials.parse(token)
+        except credentials.CredentialError as exc:
+            raise KVPoolAuthorizationError(str(exc)) from None
+        if scope.role == credentials.NAMESPACE and scope.namespace != namespace:
+            raise KVPoolAuthorizationError(
+                f"not authorized: the credential is scoped to namespace {scope.namespace!r}, this client uses "
+                f"{namespace!r}; use that deployment's credential (`daybreak credentials --namespace {namespace}`)")
         self._endpoints = list(endpoints)
+        self._tls = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else None
         self._token = token.encode()
         self._prefix = namespace + "/"
         self._transport = transport
@@ -80,6 +100,7 @@ class KVPoolClient:
         self._verify = verify
         self._local_first = local_first
         self._conns: dict[str, Connection] = {}
+        self._used: dict[str, float] = {}
         self._local: dict[str, bool] = {}
         self._down: dict[str, float] = {}
         self._maps: dict[str, ShmSegment] = {}
@@ -294,12 +315,18 @@ class KVPoolClient:
 
     def _connect(self, agent: str) -> Connection:
         conn = self._conns.get(agent)
+        now = time.monotonic()
+        if conn is not None and now - self._used.get(agent, now) > _MAX_IDLE_SECONDS:
+            conn.close()  # the agent may have closed it as idle: open a fresh one instead of failing a request
+            del self._conns[agent]
+            conn = None
+        self._used[agent] = now
         if conn is not None:
             return conn
         address = self._members.get(agent, agent)
         try:
-            conn = Connection(address, token=self._token, timeout_seconds=self._timeout)
-        except RemoteError as exc:
+            conn = Connection(address, token=self._token, timeout_seconds=self._timeout, tls=self._tls)
+        except (RemoteError, AuthenticationFailed) as exc:
             raise KVPoolError(f"agent {address} refused the client: {exc}") from None
         self._conns[agent] = conn
         self._local[agent] = self._transport == "auto" and self._probe(conn)
@@ -358,7 +385,13 @@ class KVPoolClient:
             return fn(self._connect(agent))
         except KVPoolError:
             raise
-        except (OSError, p.ProtocolError, RemoteError) as exc:
+        except RemoteError as exc:
+            if "not authorized" in str(exc):
+                self._conns.pop(agent, None)
+                raise KVPoolAuthorizationError(str(exc)) from None
+            self._mark_down(agent, str(exc) or type(exc).__name__)
+            return None
+        except (OSError, p.ProtocolError) as exc:
             self._mark_down(agent, str(exc) or type(exc).__name__)
             return None
 
@@ -388,6 +421,8 @@ class KVPoolClient:
                 conn.commit(reply.lease_id, abort=True)
                 raise
             committed = conn.commit(reply.lease_id, flags=flags)
+            if len(committed) != len(reply.blocks):  # the reservation expired (or was never ours): not stored
+                return [p.Status.MISS] * len(keys)
             return [i.status if c.status == p.Status.OK else c.status
                     for i, c in zip(reply.blocks, committed, strict=True)]
 

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("daybreak.serving.router", "run the PD request router"),
     "load": ("daybreak.serving.load", "replay a trace or generate sessions against an OpenAI-compatible URL"),
     "status": ("daybreak.status", "show pools, deployments, tiers, hit rates and node topology"),
+    "credentials": ("daybreak.credentials_cmd", "print a pool credential scoped to one kvNamespace"),
 }
 
 

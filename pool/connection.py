@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 from collections.abc import Sequence
 
 from daybreak.errors import DaybreakError
+from daybreak.pool import credentials
 from daybreak.pool import protocol as p
-from daybreak.pool.handshake import Hello, client_hello
+from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, client_hello
 from daybreak.pool.sockets import recv_exact_into, send_all
 
 
@@ -39,14 +41,26 @@ def parse_address(address: str, *, default_port: int = 7480) -> tuple[str, int]:
 class Connection:
     """A connected, authenticated socket to one agent."""
 
-    def __init__(self, address: str, *, token: bytes, timeout_seconds: float = 30.0, client: str = "") -> None:
+    def __init__(self, address: str, *, token: bytes, timeout_seconds: float = 30.0, client: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
+        """``token``: a credential (``pool/credentials.py``: the pool secret, an agent or a namespace credential).
+
+        Raises AuthenticationFailed (the agent did not prove this pool's key) or RemoteError (it refused ours).
+        """
         self.address = address
+        self.scope, key = credentials.parse(token.decode(errors="replace"))
         host, port = parse_address(address)
-        self.sock = socket.create_connection((host, port), timeout=timeout_seconds)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw = socket.create_connection((host, port), timeout=timeout_seconds)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            # TLS (docs/security.md): the agent's certificate is checked against ``tls``'s CAs and the host.
+            self.sock = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+        except BaseException:
+            raw.close()
+            raise
         self._ids = itertools.count(1)
         try:
-            self.hello = client_hello(_HelloChannel(self), token=token, identity=client)
+            self.hello = client_hello(_HelloChannel(self), key=key, scope=self.scope.claim, identity=client)
         except BaseException:
             self.sock.close()
             raise
@@ -157,15 +171,26 @@ class Connection:
 
 
 class _HelloChannel:
-    """The store protocol's HELLO exchange (``pool.handshake.ClientChannel``): request and reply frames."""
+    """The store protocol's handshake (``pool.handshake.ClientChannel``): two HELLO frames, two replies."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._rid = 0
 
     def send_hello(self, hello: Hello) -> None:
-        self._rid = self._conn._send(p.Op.HELLO, p.Hello(hello.token, hello.identity).encode())
+        self._rid = self._conn._send(p.Op.HELLO, p.Hello(hello.identity, hello.scope, hello.nonce).encode())
+
+    def recv_challenge(self) -> Challenge:
+        _, meta = self._conn._reply(self._rid)  # an ERROR frame (a refusal) raises RemoteError
+        challenge = p.HelloChallenge.decode(meta)
+        return Challenge(challenge.nonce, challenge.proof)
+
+    def send_proof(self, proof: bytes) -> None:
+        self._rid = self._conn._send(p.Op.HELLO, p.HelloProof(proof).encode())
 
     def recv_accept(self) -> p.HelloReply:
-        _, meta = self._conn._reply(self._rid)  # an ERROR frame (wrong token) raises RemoteError
+        _, meta = self._conn._reply(self._rid)
         return p.HelloReply.decode(meta)
+
+
+__all__ = ["AuthenticationFailed", "Connection", "RemoteError", "parse_address"]

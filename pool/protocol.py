@@ -30,7 +30,7 @@ from daybreak.errors import DaybreakError
 from daybreak.pool.sockets import recv_exact
 
 MAGIC = b"DBKV"
-VERSION = 1
+VERSION = 2  # 2: challenge-response HELLO (docs/protocol.md)
 HEADER = struct.Struct("<4sBBHIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -42,6 +42,9 @@ MAX_KEY_BYTES = 512
 MAX_BLOCK_BYTES = 1 << 30
 MAX_TOKEN_BYTES = 256
 MAX_TEXT_BYTES = 4096
+# Before authentication a frame may carry at most this much metadata and no data at all.
+MAX_PREAUTH_META_BYTES = 1024
+MAX_ADDRESS_BYTES = 256  # an agent address (RECORD holder, member address)
 
 
 Raw = bytes | bytearray | memoryview
@@ -54,7 +57,7 @@ class ProtocolError(DaybreakError):
 class Op(enum.IntEnum):
     """Frame kinds. Every request but RELEASE is answered by one ``REPLY`` or ``ERROR`` frame."""
 
-    HELLO = 1        # first frame on a connection: version and pool token
+    HELLO = 1        # the two client messages of the handshake: claim + nonce, then proof
     PUT = 2          # keys, sizes, checksums; data section holds the blocks
     GET = 3          # keys and caller capacities; reply data holds the hits
     EXISTS = 4       # keys; reply holds sizes
@@ -270,16 +273,55 @@ def _statuses(r: Reader, n: int) -> list[Status]:
 
 @dataclass
 class Hello:
-    token: bytes
-    client: str = ""
+    """First HELLO: who the client is, the scope it claims (``admin``, ``agent``, ``ns:<name>``), its nonce."""
+
+    client: str
+    scope: str
+    nonce: bytes
 
     def encode(self) -> bytes:
-        return bytes(Writer().blob(self.token, limit=MAX_TOKEN_BYTES).text(self.client).buf)
+        return bytes(Writer().text(self.client, limit=MAX_ADDRESS_BYTES).text(self.scope, limit=MAX_ADDRESS_BYTES)
+                     .blob(self.nonce, limit=64).buf)
 
     @classmethod
     def decode(cls, raw: Raw) -> Hello:
         r = Reader(raw)
-        msg = cls(r.blob(limit=MAX_TOKEN_BYTES), r.text())
+        msg = cls(r.text(limit=MAX_ADDRESS_BYTES), r.text(limit=MAX_ADDRESS_BYTES), r.blob(limit=64))
+        r.end()
+        return msg
+
+
+@dataclass
+class HelloChallenge:
+    """The server's REPLY to the first HELLO: its nonce and its proof (see ``pool/handshake.py``)."""
+
+    nonce: bytes
+    proof: bytes
+
+    def encode(self) -> bytes:
+        return bytes(Writer().blob(self.nonce, limit=64).blob(self.proof, limit=64).buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> HelloChallenge:
+        r = Reader(raw)
+        msg = cls(r.blob(limit=64), r.blob(limit=64))
+        r.end()
+        return msg
+
+
+@dataclass
+class HelloProof:
+    """Second HELLO: the client's proof; answered by ``HelloReply`` or an ERROR frame."""
+
+    proof: bytes
+
+    def encode(self) -> bytes:
+        return bytes(Writer().blob(self.proof, limit=64).buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> HelloProof:
+        r = Reader(raw)
+        msg = cls(r.blob(limit=64))
         r.end()
         return msg
 
@@ -463,14 +505,15 @@ class MembersReply:
     def encode(self) -> bytes:
         w = Writer().u32(len(self.members))
         for m in self.members:
-            w.text(m.agent_id).text(m.address).u8(m.state)
+            w.text(m.agent_id, limit=MAX_ADDRESS_BYTES).text(m.address, limit=MAX_ADDRESS_BYTES).u8(m.state)
         return bytes(w.buf)
 
     @classmethod
     def decode(cls, raw: Raw) -> MembersReply:
         r = Reader(raw)
         n = r.count(limit=1024)
-        msg = cls([Member(r.text(), r.text(), r.u8()) for _ in range(n)])
+        msg = cls([Member(r.text(limit=MAX_ADDRESS_BYTES), r.text(limit=MAX_ADDRESS_BYTES), r.u8())
+                   for _ in range(n)])
         r.end()
         return msg
 
@@ -503,14 +546,14 @@ class RecordRequest:
     keys: list[str]
 
     def encode(self) -> bytes:
-        w = Writer().text(self.holder)
+        w = Writer().text(self.holder, limit=MAX_ADDRESS_BYTES)
         _keys(w, self.keys)
         return bytes(w.buf)
 
     @classmethod
     def decode(cls, raw: Raw) -> RecordRequest:
         r = Reader(raw)
-        msg = cls(r.text(), _read_keys(r))
+        msg = cls(r.text(limit=MAX_ADDRESS_BYTES), _read_keys(r))
         r.end()
         return msg
 

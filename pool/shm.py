@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import Any
+
+from daybreak.errors import DaybreakError
 
 SHM_DIR = Path(os.environ.get("DAYBREAK_SHM_DIR", "/dev/shm"))
 
@@ -32,11 +35,20 @@ class ShmSegment:
 
     @classmethod
     def create(cls, name: str, size: int, *, exist_ok: bool = False) -> ShmSegment:
-        """Create (or with ``exist_ok`` re-adopt) a segment of ``size`` bytes."""
+        """Create (or with ``exist_ok`` re-adopt) a segment of ``size`` bytes.
+
+        Never through a symlink (``O_NOFOLLOW``), and a file that exists must be a regular file owned
+        by this user and closed to others: /dev/shm is world-writable, so anyone could plant one.
+        """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        flags = os.O_RDWR | os.O_CREAT | (0 if exist_ok else os.O_EXCL)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if exist_ok else os.O_EXCL)
         fd = os.open(cls.path_of(name), flags, 0o600)
+        try:
+            check_owned(fd, cls.path_of(name))
+        except BaseException:
+            os.close(fd)
+            raise
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
         return cls(name, size, fd)
@@ -44,7 +56,7 @@ class ShmSegment:
     @classmethod
     def attach(cls, name: str) -> ShmSegment:
         """Map an existing segment created by another process."""
-        fd = os.open(cls.path_of(name), os.O_RDWR)
+        fd = os.open(cls.path_of(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         return cls(name, os.fstat(fd).st_size, fd)
 
     def close(self) -> None:
@@ -54,6 +66,18 @@ class ShmSegment:
 
     def unlink(self) -> None:
         self.path_of(self.name).unlink(missing_ok=True)
+
+
+class NotOwned(DaybreakError, OSError):
+    """A shared-memory file that is not a regular file of this user, or is open to others: never adopted."""
+
+
+def check_owned(fd: int, path: Path) -> None:
+    """Raise NotOwned unless ``fd`` is a regular file owned by this user with no group/other access."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise NotOwned(f"{path}: not a private regular file of uid {os.geteuid()} "
+                       f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)}); remove it, or it is someone else's")
 
 
 MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them

@@ -9,6 +9,7 @@ popping from the front of a list) and never joins buffers: each is handed to
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 
 Buffer = bytes | bytearray | memoryview
@@ -17,39 +18,65 @@ Buffer = bytes | bytearray | memoryview
 MAX_IOVECS = 1000
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; raises ConnectionError if the peer closes first."""
+def until(sock: socket.socket, deadline: float | None) -> None:
+    """Give the next socket call only the time left before ``deadline`` (monotonic); TimeoutError once past it."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; raises ConnectionError if the peer closes first.
+
+    ``deadline`` (``time.monotonic()``) bounds the whole receive, not each read: a peer sending a
+    byte at a time cannot stretch it.
+    """
     got = 0
     n = view.nbytes
     while got < n:
+        until(sock, deadline)
         r = sock.recv_into(view[got:], n - got)
         if r == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += r
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, *, deadline: float | None = None) -> bytearray:
     """``n`` bytes from ``sock`` in a new buffer."""
     buf = bytearray(n)
     if n:
-        recv_exact_into(sock, memoryview(buf))
+        recv_exact_into(sock, memoryview(buf), deadline=deadline)
     return buf
 
 
-def discard(sock: socket.socket, n: int) -> None:
+def discard(sock: socket.socket, n: int, *, deadline: float | None = None) -> None:
     """Read and drop ``n`` bytes (data for keys that could not be stored)."""
     scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
     while n > 0:
         chunk = min(n, len(scratch))
-        recv_exact_into(sock, scratch[:chunk])
+        recv_exact_into(sock, scratch[:chunk], deadline=deadline)
         n -= chunk
 
 
-def send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
-    """``sendmsg`` a list of buffers without joining them, resuming after partial sends."""
+def send_all(sock: socket.socket, parts: Sequence[Buffer], *, deadline: float | None = None) -> None:
+    """``sendmsg`` a list of buffers without joining them, resuming after partial sends.
+
+    ``deadline`` bounds the whole send: a peer that stops reading cannot hold the sender (and what
+    it is sending) past it.
+    """
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if hasattr(sock, "cipher"):  # a TLS socket has no sendmsg: each buffer goes through the cipher in turn
+        for view in views:
+            while len(view):
+                until(sock, deadline)
+                view = view[sock.send(view):]
+        return
     first = 0
     while first < len(views):
+        until(sock, deadline)
         sent = sock.sendmsg(views[first:first + MAX_IOVECS])
         while sent:
             size = views[first].nbytes

@@ -2,7 +2,10 @@
 
 Membership is masterless: every agent pings the peers it knows (the static
 ``--peers`` list, or the pool's published endpoints) every
-``HEARTBEAT_SECONDS`` and learns new ones from their replies. A peer that
+``HEARTBEAT_SECONDS`` and learns new ones from their replies. Members come only
+from authenticated sources: the configured or published list, PINGs over
+connections that proved the agent credential, and replies of peers that proved
+it back (the handshake is mutual); at most ``MAX_PEERS`` are known. A peer that
 misses ``DEAD_AFTER_FAILURES`` heartbeats in a row is no longer live; one
 that says it is leaving stays known (it still holds blocks) but is no longer
 ranked for placement.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +28,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 0.5
 DEAD_AFTER_FAILURES = 2
+# At most this many peers are known; beyond it new ones are ignored (logged), so no flood of names grows it.
+MAX_PEERS = 1024
+# An idle peer connection older than this is replaced before use (servers close idle ones after idle_seconds).
+MAX_IDLE_SECONDS = 60.0
 
 
 @dataclass
@@ -39,36 +47,41 @@ class Peer:
 class PeerPool:
     """Idle connections to other agents, borrowed one request at a time."""
 
-    def __init__(self, token: bytes, agent_id: str) -> None:
+    def __init__(self, token: bytes, agent_id: str, tls: ssl.SSLContext | None = None) -> None:
         self.token = token
         self.agent_id = agent_id
-        self._idle: dict[str, list[Connection]] = {}
+        self.tls = tls
+        self._idle: dict[str, list[tuple[Connection, float]]] = {}
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def borrow(self, address: str, *, timeout_seconds: float = 10.0) -> Iterator[Connection]:
         with self._lock:
             idle = self._idle.setdefault(address, [])
-            conn = idle.pop() if idle else None
+            conn, since = idle.pop() if idle else (None, 0.0)
+        if conn is not None and time.monotonic() - since > MAX_IDLE_SECONDS:
+            conn.close()
+            conn = None
         if conn is None:
-            conn = Connection(address, token=self.token, timeout_seconds=timeout_seconds, client=self.agent_id)
+            conn = Connection(address, token=self.token, timeout_seconds=timeout_seconds, client=self.agent_id,
+                              tls=self.tls)
         try:
             yield conn
         except BaseException:
             conn.close()
             raise
         with self._lock:
-            self._idle.setdefault(address, []).append(conn)
+            self._idle.setdefault(address, []).append((conn, time.monotonic()))
 
     def drop(self, address: str) -> None:
         with self._lock:
-            for conn in self._idle.pop(address, []):
+            for conn, _ in self._idle.pop(address, []):
                 conn.close()
 
     def close(self) -> None:
         with self._lock:
             for conns in self._idle.values():
-                for conn in conns:
+                for conn, _ in conns:
                     conn.close()
             self._idle.clear()
 
@@ -76,11 +89,12 @@ class PeerPool:
 class Membership:
     """The peers this agent knows, kept live by heartbeats; ``leaving`` is this agent's own state."""
 
-    def __init__(self, *, address: str, token: bytes, peers: list[str] | None = None) -> None:
+    def __init__(self, *, address: str, token: bytes, peers: list[str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address
         self.agent_id = address
         self.leaving = False
-        self.conns = PeerPool(token, self.agent_id)
+        self.conns = PeerPool(token, self.agent_id, tls)
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         for peer in peers or []:
@@ -121,6 +135,9 @@ class Membership:
     def set_peers(self, addresses: list[str]) -> None:
         """Replace the peer list (in a cluster: the pool's published endpoints); new ones are pinged next tick."""
         wanted = {a for a in addresses if a and a != self.address}
+        if len(wanted) > MAX_PEERS:
+            log.warning("event=peers_truncated agent=%s given=%d kept=%d", self.agent_id, len(wanted), MAX_PEERS)
+            wanted = set(sorted(wanted)[:MAX_PEERS])
         with self._lock:
             for gone in set(self._peers) - wanted:
                 del self._peers[gone]
@@ -128,10 +145,14 @@ class Membership:
                 self._peers[address] = Peer(address)
 
     def heard(self, member: p.Member) -> None:
-        """A peer told us about itself (its PING, or its reply to ours)."""
-        if member.address == self.address:
+        """A peer told us about itself (its PING over an agent-authenticated connection, or its reply to ours)."""
+        if member.address == self.address or not member.address:
             return
         with self._lock:
+            if member.address not in self._peers and len(self._peers) >= MAX_PEERS:
+                log.warning("event=peer_ignored agent=%s peer=%s reason=member_bound max=%d", self.agent_id,
+                            member.address[:80], MAX_PEERS)
+                return
             peer = self._peers.setdefault(member.address, Peer(member.address))
             was_live = peer.live and not peer.leaving
             peer.agent_id, peer.leaving, peer.live = member.agent_id, bool(member.state), True

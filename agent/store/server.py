@@ -14,6 +14,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 
 from daybreak.agent.store.engine import BlockStore
@@ -21,19 +22,26 @@ from daybreak.agent.store.handoff import HandOff
 from daybreak.agent.store.peers import Membership
 from daybreak.agent.store.pullthrough import PullThrough
 from daybreak.agent.store.records import Records
-from daybreak.agent.store.serving import Service, Welcome
+from daybreak.agent.store.serving import Limits, Service, Welcome
 from daybreak.pool import protocol as p
 from daybreak.pool.connection import parse_address
+from daybreak.pool.credentials import agent_credential
 from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger(__name__)
 
 
 class StoreServer:
-    """Serves one BlockStore on ``listen`` for the pool that shares ``token``."""
+    """Serves one BlockStore on ``listen`` for the pool whose secret is ``token``.
+
+    Clients prove a credential derived from it (``pool/credentials.py``); this agent talks to its
+    peers with the agent credential, never with the secret itself.
+    """
 
     def __init__(self, store: BlockStore, *, listen: str, token: bytes, pool: str, advertise: str = "",
-                 peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10) -> None:
+                 peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10,
+                 limits: Limits | None = None, tls: ssl.SSLContext | None = None,
+                 peer_tls: ssl.SSLContext | None = None) -> None:
         self.store = store
         self.pool = pool
         host, port = parse_address(listen)
@@ -44,7 +52,8 @@ class StoreServer:
         bound_port = self.sock.getsockname()[1]
         self.address = advertise or f"{host if host not in ('0.0.0.0', '::') else socket.gethostname()}:{bound_port}"
         self.agent_id = self.address
-        self.membership = Membership(address=self.address, token=token, peers=peers)
+        self.membership = Membership(address=self.address, token=agent_credential(token).encode(), peers=peers,
+                                     tls=peer_tls)
         # A segment holding a nonce: a client that can map it shares this node's /dev/shm.
         nonce = secrets.token_bytes(16)
         self.probe = ShmSegment.create(f"{store.shm_prefix}-probe", 4096, exist_ok=True)
@@ -53,8 +62,8 @@ class StoreServer:
         self.handoff = HandOff(store=store, membership=self.membership, replicas=replicas,
                                lease_seconds=lease_seconds)
         self.pull = PullThrough(store=store, membership=self.membership, records=self.records)
-        self.service = Service(store=store, token=token, membership=self.membership, handoff=self.handoff,
-                               records=self.records, pull=self.pull,
+        self.service = Service(store=store, secret=token, membership=self.membership, handoff=self.handoff,
+                               records=self.records, pull=self.pull, limits=limits, tls=tls,
                                welcome=Welcome(pool=pool, shm_probe=self.probe.name, shm_nonce=nonce,
                                                lease_seconds=lease_seconds, replicas=replicas))
         self._closed = self.service.closed

@@ -2,35 +2,52 @@
 
 One thread per connection with blocking sockets: ``recv_into`` and
 ``sendmsg`` release the GIL, so bytes move at socket speed while the index
-work stays short under the store's lock. A connection that sends a bad token,
-a malformed or oversized frame is closed with a logged reason; no other
-connection notices. ``HANDLERS`` maps every request op to one method; an op
+work stays short under the store's lock. A connection that fails the
+handshake, sends a malformed or oversized frame, or asks for something outside
+its credential's scope is closed with a logged reason; no other connection
+notices. Every wait has a deadline (handshake, idle, request body, reply) and
+connections are capped per agent and per address (``Limits``). ``HANDLERS`` maps every request op to one method; an op
 without a handler (REPLY, ERROR, a second HELLO) is a protocol error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from daybreak.agent.store.engine import BlockStore, Reservation
 from daybreak.agent.store.handoff import HandOff
 from daybreak.agent.store.peers import Membership
 from daybreak.agent.store.pullthrough import PullThrough
 from daybreak.agent.store.records import Records
+from daybreak.errors import DaybreakError
+from daybreak.pool import credentials
 from daybreak.pool import protocol as p
-from daybreak.pool.handshake import AuthenticationFailed, Hello, server_accept
-from daybreak.pool.sockets import discard, recv_exact_into, send_all
+from daybreak.pool.checksum import crc32c
+from daybreak.pool.credentials import Scope
+from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, server_accept
+from daybreak.pool.sockets import discard, recv_exact, recv_exact_into, send_all, until
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[socket.socket, p.Header, object], None]
+
+# Ops only pool peers (agent credential or the pool secret) may send: they shape membership and placement.
+PEER_OPS = frozenset({p.Op.PING, p.Op.RECORD})
+_WIRE_BYTES_PER_SECOND = 16 << 20  # the slowest peer a request's deadline allows for, on top of io_seconds
+
+
+class NotAuthorized(DaybreakError):
+    """A request outside the connection's scope: answered with an ERROR frame, then the connection is closed."""
 
 
 @dataclass(frozen=True)
@@ -44,21 +61,60 @@ class Welcome:
     replicas: int
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one client can hold (docs/security.md: each one is a control there)."""
+
+    handshake_seconds: float = 10.0       # one deadline for the whole handshake
+    idle_seconds: float = 300.0           # an authenticated connection with no request for this long is closed
+    io_seconds: float = 30.0              # a request's body and its reply get this (plus size / 16 MiB/s)
+    max_connections: int = 1024           # per agent, authenticated or not
+    max_connections_per_address: int = 256
+    max_preauth: int = 256                # connections inside the handshake; the oldest is dropped for a new one
+    max_preauth_per_address: int = 64
+    max_reserved_bytes: int = 256 << 20   # per connection: ALLOC reservations not yet committed
+    max_open_leases: int = 64             # per connection: LOCATE leases and ALLOC reservations open at once
+
+    def deadline(self, nbytes: int) -> float:
+        return time.monotonic() + self.io_seconds + nbytes / _WIRE_BYTES_PER_SECOND
+
+
+@dataclass
+class Session:
+    """One authenticated connection: its scope and the leases and reservations only it may end."""
+
+    peer: str
+    scope: Scope
+    leases: set[int] = field(default_factory=set)
+    parked: dict[int, int] = field(default_factory=dict)  # reservation id -> bytes reserved
+
+    @property
+    def peer_role(self) -> bool:
+        return self.scope.role in (credentials.ADMIN, credentials.AGENT)
+
+
 class Service:
     """Answers requests on accepted connections against one ``BlockStore`` and the pool machinery."""
 
-    def __init__(self, *, store: BlockStore, token: bytes, welcome: Welcome, membership: Membership,
-                 handoff: HandOff, records: Records, pull: PullThrough) -> None:
+    def __init__(self, *, store: BlockStore, secret: bytes, welcome: Welcome, membership: Membership,
+                 handoff: HandOff, records: Records, pull: PullThrough, limits: Limits | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store = store
-        self.token = token
+        self.secret = secret
         self.welcome = welcome
         self.membership = membership
         self.handoff = handoff
         self.records = records
         self.pull = pull
+        self.limits = limits or Limits()
+        self.tls = tls
         self.closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._preauth: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first -> peer host
+        self._per_host: Counter[str] = Counter()
+        self._local = threading.local()
+        self._last_refusal_log = 0.0
         self.handlers: dict[p.Op, Handler] = {
             p.Op.PUT: self._put,
             p.Op.GET: self._get,
@@ -79,20 +135,72 @@ class Service:
     def agent_id(self) -> str:
         return self.membership.agent_id
 
+    @property
+    def session(self) -> Session:
+        """The connection this thread serves."""
+        session: Session = self._local.session
+        return session
+
+    def key_for(self, claim: str) -> bytes | None:
+        scope = Scope.parse_claim(claim)
+        return None if scope is None else credentials.key_for(self.secret, scope)
+
     # -- connections ------------------------------------------------------------------------------
 
     def accept_loop(self, sock: socket.socket) -> None:
         while not self.closed.is_set():
             try:
                 conn, peer = sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self.closed.is_set():
                     return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: say so and back off instead of spinning on accept.
+                    self._log_refusal("event=accept_failed agent=%s reason=%s action=backoff_100ms",
+                                      self.agent_id, errno.errorcode.get(exc.errno or 0, str(exc)))
+                    time.sleep(0.1)
+                continue
+            host = str(peer[0])
+            if not self._admit(conn, host):
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self.serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
+            t = threading.Thread(target=self.serve, args=(conn, f"{host}:{peer[1]}"), daemon=True,
                                  name="store-conn")
             t.start()
+
+    def _admit(self, conn: socket.socket, host: str) -> bool:
+        """Connection caps, checked before a thread is spent: refuse over the totals, make room in the handshake."""
+        lim = self.limits
+        with self._conns_lock:
+            if len(self._conns) >= lim.max_connections or self._per_host[host] >= lim.max_connections_per_address:
+                refuse = True
+            else:
+                refuse = False
+                # A new handshake displaces the oldest one of its address (or of all) rather than being refused:
+                # a real client finishes in a round trip, so a flood cannot lock it out.
+                same = [c for c, h in self._preauth.items() if h == host]
+                victim = same[0] if len(same) >= lim.max_preauth_per_address else (
+                    next(iter(self._preauth)) if len(self._preauth) >= lim.max_preauth else None)
+                if victim is not None:
+                    self._preauth.pop(victim, None)
+                    with contextlib.suppress(OSError):
+                        victim.shutdown(socket.SHUT_RDWR)
+                self._conns.add(conn)
+                self._preauth[conn] = host
+                self._per_host[host] += 1
+        if refuse:
+            self.store.metrics.rejected.labels(reason="connection_cap").inc()
+            self._log_refusal("event=connection_refused agent=%s peer=%s reason=connection_cap", self.agent_id, host)
+            conn.close()
+            return False
+        return True
+
+    def _log_refusal(self, fmt: str, *args: object) -> None:
+        """At most one line a second: a flood must not become a log flood."""
+        now = time.monotonic()
+        if now - self._last_refusal_log >= 1.0:
+            self._last_refusal_log = now
+            log.warning(fmt, *args)
 
     def shutdown_connections(self) -> None:
         with self._conns_lock:
@@ -100,39 +208,87 @@ class Service:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
 
-    def serve(self, conn: socket.socket, peer: str) -> None:
+    def connection_counts(self) -> tuple[int, int]:
+        """(all connections, connections inside the handshake)."""
         with self._conns_lock:
-            self._conns.add(conn)
+            return len(self._conns), len(self._preauth)
+
+    def serve(self, conn: socket.socket, peer: str) -> None:
+        host = peer.rpartition(":")[0]
+        session: Session | None = None
+        raw = conn
+        deadline = time.monotonic() + self.limits.handshake_seconds
         try:
-            conn.settimeout(30.0)  # a client that stalls inside the handshake is dropped
-            channel = _HelloChannel(conn, self._error)
+            if self.tls is not None:  # the TLS handshake counts against the same deadline
+                conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                with self._conns_lock:  # shutdown_connections must reach the socket that owns the fd now
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
+                    if self._preauth.pop(raw, None) is not None:
+                        self._preauth[conn] = host
+                until(conn, deadline)
+                conn.do_handshake()
+            channel = _HelloChannel(conn, self._error, deadline=deadline)
             try:
-                server_accept(channel, token=self.token)
+                hello = server_accept(channel, key_for=self.key_for)
             except AuthenticationFailed:
                 self.store.metrics.rejected.labels(reason="auth").inc()
-                log.warning("event=connection_refused agent=%s peer=%s reason=wrong_token", self.agent_id, peer)
+                log.warning("event=connection_refused agent=%s peer=%s reason=wrong_credential", self.agent_id, peer)
                 return
+            scope = Scope.parse_claim(hello.scope)
+            assert scope is not None  # server_accept refuses unknown scopes
+            session = Session(peer, scope)
+            self._local.session = session
+            with self._conns_lock:
+                self._preauth.pop(conn, None)
             w = self.welcome
             reply = p.HelloReply(self.agent_id, w.pool, w.shm_probe, w.shm_nonce, w.lease_seconds, w.replicas).encode()
-            send_all(conn, p.frame(p.Op.REPLY, reply, request_id=channel.request_id))
-            conn.settimeout(None)
+            send_all(conn, p.frame(p.Op.REPLY, reply, request_id=channel.request_id),
+                     deadline=self.limits.deadline(0))
             while not self.closed.is_set():
                 try:
-                    header, meta = p.read_frame(conn)
-                except ConnectionError:
+                    header, meta = self._read_request(conn)
+                except (ConnectionError, TimeoutError):
                     return
                 started = time.perf_counter()
-                self.dispatch(conn, header, meta)
+                try:
+                    self.dispatch(conn, header, meta)
+                except NotAuthorized as exc:
+                    self.store.metrics.rejected.labels(reason="scope").inc()
+                    log.warning("event=request_refused agent=%s peer=%s scope=%s reason=%r", self.agent_id, peer,
+                                scope.claim, str(exc))
+                    self._error(conn, header.request_id, f"not authorized: {exc}")
+                    return
                 self.store.metrics.latency.labels(op=header.op.name.lower()).observe(time.perf_counter() - started)
-        except p.ProtocolError as exc:
+        except (p.ProtocolError, ssl.SSLError) as exc:
             self.store.metrics.rejected.labels(reason="protocol").inc()
             log.warning("event=connection_closed agent=%s peer=%s reason=%r", self.agent_id, peer, str(exc))
         except (ConnectionError, TimeoutError, OSError) as exc:
             log.debug("event=connection_lost agent=%s peer=%s reason=%s", self.agent_id, peer, exc)
         finally:
+            if session is not None:
+                self._end_session(session)
             with self._conns_lock:
-                self._conns.discard(conn)
+                for sock in (raw, conn):
+                    self._conns.discard(sock)
+                    self._preauth.pop(sock, None)
+                self._per_host[host] -= 1
+                if self._per_host[host] <= 0:
+                    del self._per_host[host]
             conn.close()
+
+    def _read_request(self, conn: socket.socket) -> tuple[p.Header, bytearray]:
+        """The next request: idle_seconds for it to start, io_seconds for its metadata."""
+        header = p.unpack_header(recv_exact(conn, p.HEADER_SIZE, deadline=time.monotonic() + self.limits.idle_seconds))
+        return header, recv_exact(conn, header.meta_len, deadline=self.limits.deadline(header.meta_len))
+
+    def _end_session(self, session: Session) -> None:
+        """A connection is gone: what it still held goes back now, not at lease expiry."""
+        for lease_id in session.leases:
+            self.store.end_lease(lease_id)
+        for rid in session.parked:
+            parked = self.store.unpark(rid) or []
+            self.store.commit([r for r in parked if r is not None], ok=False)
 
     def dispatch(self, conn: socket.socket, header: p.Header, meta: bytearray) -> None:
         handler = self.handlers.get(header.op)
@@ -141,15 +297,33 @@ class Service:
         request = p.decode_request(header.op, meta)
         if header.op != p.Op.PUT and header.data_len:
             raise p.ProtocolError(f"{header.op.name} carries no data section, got {header.data_len} bytes")
+        self._authorize(header, request)
         handler(conn, header, request)
+
+    def _authorize(self, header: p.Header, request: object) -> None:
+        """The connection's scope decides: pool-peer ops and flags need a peer credential, keys their namespace."""
+        session: Session | None = getattr(self._local, "session", None)
+        if session is None:  # in-process callers (tests) that skipped the handshake
+            return
+        if not session.peer_role and (header.op in PEER_OPS or header.flags & p.FLAG_REPLICA):
+            raise NotAuthorized(f"{header.op.name} (or FLAG_REPLICA) is for the pool's agents; "
+                                f"this connection holds {session.scope.claim}")
+        keys = getattr(request, "keys", None)
+        if keys and session.scope.role == credentials.NAMESPACE:
+            outside = [k for k in keys if not session.scope.allows_key(k)]
+            if outside:
+                raise NotAuthorized(f"key {outside[0][:80]!r} is outside namespace {session.scope.namespace!r}, "
+                                    f"the only one this credential may use")
 
     def _error(self, conn: socket.socket, rid: int, text: str) -> None:
         with contextlib.suppress(OSError):
-            send_all(conn, p.frame(p.Op.ERROR, p.TextReply(text).encode(), request_id=rid))
+            send_all(conn, p.frame(p.Op.ERROR, p.TextReply(text).encode(), request_id=rid),
+                     deadline=self.limits.deadline(0))
 
     def _reply(self, conn: socket.socket, rid: int, meta: bytes, data: list[memoryview] | None = None) -> None:
         total = sum(len(d) for d in data or [])
-        send_all(conn, [*p.frame(p.Op.REPLY, meta, request_id=rid, data_len=total), *(data or [])])
+        send_all(conn, [*p.frame(p.Op.REPLY, meta, request_id=rid, data_len=total), *(data or [])],
+                 deadline=self.limits.deadline(total))
 
     def _blocks(self, conn: socket.socket, header: p.Header, infos: list[p.BlockInfo], *, lease_id: int = 0) -> None:
         self._reply(conn, header.request_id, p.BlocksReply(infos, lease_id).encode())
@@ -166,55 +340,95 @@ class Service:
         if header.data_len != sum(req.sizes):
             raise p.ProtocolError(f"PUT data section is {header.data_len} bytes, sizes add up to {sum(req.sizes)}")
         tier = "hbm" if req.tier == 1 else "dram"
-        with self.handoff.admitting(replica=bool(header.flags & p.FLAG_REPLICA)) as refused:
-            slots = [] if refused else [self.store.reserve(k, s, c, tier=tier, pin_seconds=req.pin_seconds)
-                                        for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
-        if refused:
-            discard(conn, header.data_len)
-            self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
-            return
-        reserved = [s for s in slots if isinstance(s, Reservation)]
+        replica = bool(header.flags & p.FLAG_REPLICA)
+        deadline = self.limits.deadline(header.data_len)
+        infos: list[p.BlockInfo] = []
+        written: list[Reservation] = []
+        # One block at a time, and only once its bytes start to arrive: a header promising data that never
+        # comes reserves (and evicts for) nothing, and a stalled body holds its space only until the deadline.
         try:
-            for slot, size in zip(slots, req.sizes, strict=True):
+            for key, size, checksum in zip(req.keys, req.sizes, req.checksums, strict=True):
+                first = recv_exact(conn, 1, deadline=deadline) if size else bytearray()
+                with self.handoff.admitting(replica=replica) as refused:
+                    slot = p.Status.LEAVING if refused else self.store.reserve(
+                        key, size, checksum, tier=tier, pin_seconds=req.pin_seconds)
                 if not isinstance(slot, Reservation):
-                    discard(conn, size)
-                else:
-                    target = self.store.write_buffer(slot)
-                    recv_exact_into(conn, target)
-                    self.store.finish_write(slot, target)
+                    discard(conn, size - len(first), deadline=deadline)
+                    infos.append(p.BlockInfo(slot))
+                    continue
+                written.append(slot)
+                target = self.store.write_buffer(slot)
+                target[:len(first)] = first
+                recv_exact_into(conn, target[len(first):], deadline=deadline)
+                if crc32c(target) != slot.checksum:  # the writer's checksum is checked, not trusted
+                    written.pop()
+                    self.store.commit([slot], ok=False)
+                    self.store.metrics.corrupt.inc()
+                    infos.append(p.BlockInfo(p.Status.CORRUPT))
+                    continue
+                self.store.finish_write(slot, target)
+                infos.append(p.BlockInfo(p.Status.OK, slot.size, slot.checksum))
         except BaseException:
-            self.store.commit(reserved, ok=False)
+            self.store.commit(written, ok=False)
             raise
-        self.store.commit(reserved)
-        if header.flags & p.FLAG_RECORD and reserved:
-            self.records.send_later([r.key for r in reserved])
-        infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum) if isinstance(s, Reservation) else p.BlockInfo(s)
-                 for s in slots]
+        self.store.commit(written)
+        if header.flags & p.FLAG_RECORD and written:
+            self.records.send_later([r.key for r in written])
         self._blocks(conn, header, infos)
+
+    def _open_leases(self) -> int:
+        session = self.session
+        return len(session.leases) + len(session.parked)
 
     def _alloc(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.AllocRequest)
         req = request
+        session = self.session
+        if self._open_leases() >= self.limits.max_open_leases:
+            raise NotAuthorized(f"{self.limits.max_open_leases} leases and reservations already open on this "
+                                "connection; COMMIT or RELEASE some first")
+        budget = self.limits.max_reserved_bytes - sum(session.parked.values())
+        slots: list[Reservation | p.Status] = []
         with self.handoff.admitting() as refused:
-            slots = [] if refused else [self.store.reserve(k, s, c, pin_seconds=req.pin_seconds)
-                                        for k, s, c in zip(req.keys, req.sizes, req.checksums, strict=True)]
+            for k, size, c in zip(req.keys, req.sizes, req.checksums, strict=True):
+                if refused:
+                    slots.append(p.Status.LEAVING)
+                elif size > budget:
+                    slots.append(p.Status.FULL)  # this connection's reservation budget, not the tier
+                else:
+                    slot = self.store.reserve(k, size, c, pin_seconds=req.pin_seconds)
+                    if isinstance(slot, Reservation):
+                        budget -= size
+                    slots.append(slot)
         if refused:
             self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
             return
         parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
         rid_parked = self.store.park(parked)
+        session.parked[rid_parked] = sum(r.size for r in parked if r is not None)
         infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, *self.store.location(s))
                  if isinstance(s, Reservation) else p.BlockInfo(s) for s in slots]
         self._blocks(conn, header, infos, lease_id=rid_parked)
 
     def _commit(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.LeaseRequest)
-        parked = self.store.unpark(request.lease_id) or []
+        session = getattr(self._local, "session", None)
+        # Only the connection that reserved may commit or abort (ids of others are unknown here).
+        owned = session is None or session.parked.pop(request.lease_id, None) is not None
+        parked = (self.store.unpark(request.lease_id) or []) if owned else []
         done = [r for r in parked if r is not None]
-        self.store.commit(done, ok=not header.flags & p.FLAG_ABORT)
-        if header.flags & p.FLAG_RECORD and not header.flags & p.FLAG_ABORT and done:
-            self.records.send_later([r.key for r in done])
-        self._blocks(conn, header, [p.BlockInfo(p.Status.OK if r else p.Status.MISS) for r in parked])
+        abort = bool(header.flags & p.FLAG_ABORT)
+        good: list[Reservation] = []
+        for r in done:
+            # The client copied these bytes into the segment itself: check them before publishing.
+            view = self.store.write_buffer(r)
+            (good if abort or crc32c(view) == r.checksum else []).append(r)
+        self.store.commit(good, ok=not abort)
+        self.store.commit([r for r in done if r not in good], ok=False)
+        if header.flags & p.FLAG_RECORD and not abort and good:
+            self.records.send_later([r.key for r in good])
+        self._blocks(conn, header, [p.BlockInfo(p.Status.MISS if r is None else
+                                                p.Status.OK if r in good else p.Status.CORRUPT) for r in parked])
 
     def _remove(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.KeysRequest)
@@ -248,6 +462,10 @@ class Service:
     def _locate(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.KeysRequest)
         req = request
+        session = getattr(self._local, "session", None)
+        if session is not None and self._open_leases() >= self.limits.max_open_leases:
+            raise NotAuthorized(f"{self.limits.max_open_leases} leases and reservations already open on this "
+                                "connection; RELEASE some first")
         if header.flags & p.FLAG_PULL:
             self.pull.pull(req.keys)
         blocks = self.store.acquire(req.keys, count=False)
@@ -262,6 +480,8 @@ class Service:
                 # where == '': not mappable from another process, the client falls back to GET for it
                 infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, where, offset))
         lease_id = self.store.lease(blocks)
+        if session is not None:
+            session.leases.add(lease_id)
         self._blocks(conn, header, infos, lease_id=lease_id)
 
     def _exists(self, conn: socket.socket, header: p.Header, request: object) -> None:
@@ -277,7 +497,11 @@ class Service:
 
     def _release(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.LeaseRequest)
-        self.store.end_lease(request.lease_id)  # one-way: no reply
+        session = getattr(self._local, "session", None)
+        if session is None or request.lease_id in session.leases:  # another connection's lease is not ours to end
+            if session is not None:
+                session.leases.discard(request.lease_id)
+            self.store.end_lease(request.lease_id)  # one-way: no reply
 
     # -- handlers: the pool ---------------------------------------------------------------------------
 
@@ -297,29 +521,46 @@ class Service:
 
     def _stats(self, conn: socket.socket, header: p.Header, request: object) -> None:
         counts = {**self.store.stats(), "rss_bytes": _rss_bytes(), "rss_peak_bytes": _peak_rss_bytes(),
-                  "peers_live": len(self.membership.live_ids()) - 1, "pointers": len(self.records)}
+                  "peers_live": len(self.membership.live_ids()) - 1, "pointers": len(self.records),
+                  "connections": self.connection_counts()[0], "connections_handshaking": self.connection_counts()[1]}
         text = "\n".join(f"{k}={v}" for k, v in counts.items())
         self._reply(conn, header.request_id, p.TextReply(text).encode())
 
 
 class _HelloChannel:
-    """The store protocol's side of ``pool.handshake.ServerChannel``: the first frame must be a HELLO."""
+    """The store protocol's side of ``pool.handshake.ServerChannel``: two HELLO frames under one deadline.
 
-    def __init__(self, conn: socket.socket, error: Callable[[socket.socket, int, str], None]) -> None:
+    Before authentication a frame may be a HELLO of at most ``MAX_PREAUTH_META_BYTES`` metadata and no
+    data, checked from the 24-byte header before anything is allocated.
+    """
+
+    def __init__(self, conn: socket.socket, error: Callable[[socket.socket, int, str], None], *,
+                 deadline: float) -> None:
         self._conn = conn
         self._error = error
+        self._deadline = deadline
         self.request_id = 0
 
-    def recv_hello(self) -> Hello:
-        header, meta = p.read_frame(self._conn)
+    def _frame(self) -> bytearray:
+        header = p.unpack_header(recv_exact(self._conn, p.HEADER_SIZE, deadline=self._deadline))
         if header.op != p.Op.HELLO:
-            raise p.ProtocolError(f"first frame is {header.op.name}, expected HELLO")
+            raise p.ProtocolError(f"frame {header.op.name} before the handshake finished, expected HELLO")
+        if header.meta_len > p.MAX_PREAUTH_META_BYTES or header.data_len:
+            raise p.ProtocolError(f"HELLO of {header.meta_len}+{header.data_len} bytes exceeds the "
+                                  f"{p.MAX_PREAUTH_META_BYTES}-byte handshake limit")
         self.request_id = header.request_id
-        hello = p.Hello.decode(meta)
-        if header.data_len:  # a HELLO has no data section: refused like a wrong token
-            self.send_refusal("wrong pool token")
-            raise AuthenticationFailed("HELLO frame with a data section")
-        return Hello(hello.token, hello.client)
+        return recv_exact(self._conn, header.meta_len, deadline=self._deadline)
+
+    def recv_hello(self) -> Hello:
+        hello = p.Hello.decode(self._frame())
+        return Hello(hello.client, hello.scope, hello.nonce)
+
+    def send_challenge(self, challenge: Challenge) -> None:
+        meta = p.HelloChallenge(challenge.nonce, challenge.proof).encode()
+        send_all(self._conn, p.frame(p.Op.REPLY, meta, request_id=self.request_id), deadline=self._deadline)
+
+    def recv_proof(self) -> bytes:
+        return p.HelloProof.decode(self._frame()).proof
 
     def send_refusal(self, reason: str) -> None:
         self._error(self._conn, self.request_id, f"authentication failed: {reason}")

@@ -14,10 +14,12 @@ bytes), written to a temporary name and renamed, and verified on every read.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -105,6 +107,7 @@ class DramTier:
         self.segments: list[ShmSegment] = []
         self.arenas = [Arena(s) for s in self.sizes]
         self._journal_fd = -1
+        self._lock_fd = -1
         self._journal_bytes = 0
         self._live_records = 0
 
@@ -117,13 +120,29 @@ class DramTier:
     def journal_path(self) -> Path:
         return SHM_DIR / f"{self.prefix}-journal"
 
+    @property
+    def lock_path(self) -> Path:
+        return SHM_DIR / f"{self.prefix}-lock"
+
+    def names(self) -> list[Path]:
+        """Every /dev/shm file this tier may own (segments, journal, probe, lock)."""
+        return owned_files(self.prefix)
+
     def open(self) -> list[Adopted]:
-        """Map (or re-adopt) the segments and replay the journal; returns the blocks that verified."""
-        layout_ok = all(
-            ShmSegment.path_of(self.segment_name(i)).exists()
-            and ShmSegment.path_of(self.segment_name(i)).stat().st_size == size
-            for i, size in enumerate(self.sizes)
-        )
+        """Map (or re-adopt) the segments and replay the journal; returns the blocks that verified.
+
+        Takes the tier's lock file first (held while the process lives), so a second agent on the same
+        names fails here and the orphan reclaim (``reclaim_orphans``) sees this tier as owned.
+        """
+        self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"{self.lock_path} is held by another live agent with the same pool and address; "
+                               "stop it first or pick another --listen/--pool") from None
+        layout_ok = all(_private_file(ShmSegment.path_of(self.segment_name(i)), size)
+                        for i, size in enumerate(self.sizes)) and _private_file(self.journal_path, None)
         if not layout_ok:
             # A different size or no previous run: nothing to adopt, start clean.
             for i in range(len(self.sizes) + 64):
@@ -196,11 +215,15 @@ class DramTier:
         body = bytearray(_JOURNAL_MAGIC)
         for b in live:
             body += self._record(_PUT, b.key, b.segment, b.offset, b.size, b.checksum)
-        tmp.write_bytes(body)
+        tmp.unlink(missing_ok=True)
+        # Private: the journal names every key this agent holds.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
         os.replace(tmp, self.journal_path)
         if self._journal_fd >= 0:
             os.close(self._journal_fd)
-        self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
+        self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._journal_bytes = len(body)
         self._live_records = len(live)
 
@@ -222,7 +245,12 @@ class DramTier:
             if unlink:
                 seg.unlink()
         if unlink:
-            self.journal_path.unlink(missing_ok=True)
+            for path in self.names():
+                path.unlink(missing_ok=True)
+            log.info("event=dram_removed prefix=%s", self.prefix)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         self.segments = []
 
     # -- space and bytes --------------------------------------------------------------------
@@ -275,6 +303,63 @@ class DramTier:
 
 
 JOURNAL_PUT, JOURNAL_DEL = _PUT, _DEL
+
+_OWNED = re.compile(r"-(dram-\d+|journal|journal\.tmp|probe|lock)$")
+
+
+def owned_files(prefix: str) -> list[Path]:
+    """The /dev/shm files of one tier ``prefix`` (exact names, so a prefix never matches another agent's)."""
+    return [path for path in SHM_DIR.glob(f"{prefix}-*") if _OWNED.search(path.name)
+            and path.name[:len(path.name) - len(_OWNED.search(path.name).group(0))] == prefix]  # type: ignore[union-attr]
+
+
+def _private_file(path: Path, size: int | None) -> bool:
+    """A regular file of ours, closed to others (and of ``size`` bytes): never a planted one or a symlink."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+            and (size is None or st.st_size == size))
+
+
+def reclaim_orphans(*, older_than_seconds: float, keep: str = "") -> int:
+    """Remove tiers nobody will re-adopt: no live owner (their lock is free) and untouched for the bound.
+
+    A crashed agent restarted within ``older_than_seconds`` still re-adopts its blocks; one that never
+    comes back (its pool deleted, its node gone, a benchmark's agent) stops holding RAM. Returns tiers removed.
+    """
+    removed = 0
+    now = time.time()
+    for journal in SHM_DIR.glob("daybreak-*-journal"):
+        prefix = journal.name.removesuffix("-journal")
+        if prefix == keep or not _private_file(journal, None):
+            continue
+        files = owned_files(prefix)
+        try:
+            newest = max(p.lstat().st_mtime for p in files)
+        except (FileNotFoundError, ValueError):
+            continue
+        if now - newest < older_than_seconds:
+            continue
+        lock = SHM_DIR / f"{prefix}-lock"
+        fd = -1
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner is alive
+            if fd >= 0:
+                os.close(fd)
+            continue
+        try:
+            for path in files:
+                path.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+        removed += 1
+        log.info("event=orphan_reclaimed prefix=%s files=%d idle_seconds=%.0f", prefix, len(files), now - newest)
+    return removed
 
 
 _SSD_HEAD = struct.Struct("<4sHQI")  # magic, key_len, size, data_crc

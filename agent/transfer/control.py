@@ -1,8 +1,9 @@
 """The transfer engine's control connection: the HELLO handshake and one-shot control exchanges.
 
-Every tcp connection between engines opens with a HELLO each way (the pool
-token and the engine ids, as JSON payloads of ``wire`` frames); the decision
-is ``daybreak.pool.handshake``'s, shared with the store protocol. rdma
+Every tcp connection between engines opens with the challenge-response of
+``daybreak.pool.handshake`` (shared with the store protocol), carried as JSON
+payloads of ``wire`` HELLO frames: claim and nonce, challenge, proof, welcome.
+The engine token is the key (scope ``admin``); it never crosses the wire. rdma
 queue-pair set-up rides on the same server as a request/answer exchange on a
 fresh connection (``control_request``).
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from daybreak.agent.transfer import wire
 from daybreak.errors import DaybreakError
-from daybreak.pool.handshake import AuthenticationFailed, Hello, client_hello, server_accept
+from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, client_hello, server_accept
 from daybreak.pool.sockets import recv_exact_into
 
 
@@ -41,29 +43,68 @@ def _read_frame(sock: socket.socket) -> tuple[wire.Header, bytearray]:
     return hdr, payload
 
 
+# The handshake's messages are a few hundred bytes; anything bigger before authentication is refused.
+MAX_HANDSHAKE_PAYLOAD = 1024
+HANDSHAKE_SECONDS = 10.0
+SCOPE = "admin"
+
+
+def _json(payload: bytes | bytearray) -> dict[str, Any]:
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        raise wire.MalformedFrame("handshake payload is not JSON") from None
+    if not isinstance(message, dict):
+        raise wire.MalformedFrame("handshake payload is not a JSON object")
+    return message
+
+
+def _hex(message: dict[str, Any], name: str) -> bytes:
+    try:
+        return bytes.fromhex(str(message.get(name, "")))
+    except ValueError:
+        raise wire.MalformedFrame(f"handshake field {name!r} is not hex") from None
+
+
 class _ClientHello:
-    """``pool.handshake.ClientChannel`` over a fresh socket: HELLO out, HELLO (or ERROR) back."""
+    """``pool.handshake.ClientChannel`` over a fresh socket."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
 
-    def send_hello(self, hello: Hello) -> None:
-        body = json.dumps({"engine_id": hello.identity, "token": hello.token.decode()}).encode()
+    def _send(self, message: dict[str, Any]) -> None:
+        body = json.dumps(message).encode()
         self._sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
 
-    def recv_accept(self) -> str:
+    def _recv(self) -> dict[str, Any]:
         hdr, payload = _read_frame(self._sock)
         if hdr.type is wire.FrameType.ERROR:
             raise ValueError(payload.decode(errors="replace"))
         if hdr.type is not wire.FrameType.HELLO:
             raise wire.MalformedFrame(f"expected HELLO, got {hdr.type.name}")
-        peer: str = json.loads(payload).get("engine_id", "")
+        return _json(payload)
+
+    def send_hello(self, hello: Hello) -> None:
+        self._send({"engine_id": hello.identity, "scope": hello.scope, "nonce": hello.nonce.hex()})
+
+    def recv_challenge(self) -> Challenge:
+        message = self._recv()
+        return Challenge(_hex(message, "nonce"), _hex(message, "proof"))
+
+    def send_proof(self, proof: bytes) -> None:
+        self._send({"proof": proof.hex()})
+
+    def recv_accept(self) -> str:
+        peer: str = str(self._recv().get("engine_id", ""))
         return peer
 
 
 def client_handshake(sock: socket.socket, *, engine_id: str, token: str) -> str:
-    """Client side of HELLO; returns the peer's engine id (ValueError when it refuses)."""
-    return client_hello(_ClientHello(sock), token=token.encode(), identity=engine_id)
+    """Client side of the handshake; returns the peer's engine id (ValueError when either side refuses)."""
+    try:
+        return client_hello(_ClientHello(sock), key=token.encode(), scope=SCOPE, identity=engine_id)
+    except AuthenticationFailed as exc:
+        raise ValueError(f"bad token: {exc}") from None
 
 
 class _ServerHello:
@@ -75,20 +116,27 @@ class _ServerHello:
         self._read = read
         self._send = send
 
-    def recv_hello(self) -> Hello:
+    def _recv(self) -> dict[str, Any]:
         hdr = self._next_header()
         if hdr.type is not wire.FrameType.HELLO:
             raise wire.MalformedFrame(f"expected HELLO first, got {hdr.type.name}")
-        raw = self._read(hdr.payload_len)
-        try:
-            hello = json.loads(raw)
-            token, engine_id = hello.get("token", ""), hello.get("engine_id", "")
-        except (ValueError, AttributeError):
-            raise wire.MalformedFrame("HELLO payload is not a JSON object") from None
-        if not isinstance(token, str):
-            self.send_refusal("wrong pool token")
-            raise AuthenticationFailed("HELLO token is not a string")
-        return Hello(token.encode(), str(engine_id))
+        if hdr.payload_len > MAX_HANDSHAKE_PAYLOAD:
+            raise wire.MalformedFrame(f"HELLO of {hdr.payload_len} bytes exceeds {MAX_HANDSHAKE_PAYLOAD}")
+        return _json(self._read(hdr.payload_len))
+
+    def _out(self, message: dict[str, Any]) -> None:
+        body = json.dumps(message).encode()
+        self._send(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+
+    def recv_hello(self) -> Hello:
+        hello = self._recv()
+        return Hello(str(hello.get("engine_id", "")), str(hello.get("scope", "")), _hex(hello, "nonce"))
+
+    def send_challenge(self, challenge: Challenge) -> None:
+        self._out({"nonce": challenge.nonce.hex(), "proof": challenge.proof.hex()})
+
+    def recv_proof(self) -> bytes:
+        return _hex(self._recv(), "proof")
 
     def send_refusal(self, reason: str) -> None:
         body = b"bad token: this engine serves another pool"
@@ -96,14 +144,29 @@ class _ServerHello:
 
 
 def server_handshake(*, next_header: Callable[[], wire.Header], read: Callable[[int], bytes],
-                     send: Callable[[bytes], None], engine_id: str, token: str, peer: str) -> Hello:
-    """Server side of HELLO: check the token, answer with our engine id; MalformedFrame closes the connection."""
+                     send: Callable[[bytes], None], engine_id: str, token: str, peer: str,
+                     sock: socket.socket | None = None) -> Hello:
+    """Server side: authenticate the peer, answer with our engine id; MalformedFrame closes the connection.
+
+    With ``sock`` the whole exchange runs under one ``HANDSHAKE_SECONDS`` deadline (a peer trickling
+    bytes cannot hold the connection), and the socket's previous timeout is restored afterwards.
+    """
+    key = token.encode()
+    previous = sock.gettimeout() if sock is not None else None
+    if sock is not None:
+        sock.settimeout(HANDSHAKE_SECONDS)
+    started = time.monotonic()
     try:
-        hello = server_accept(_ServerHello(next_header=next_header, read=read, send=send), token=token.encode())
+        hello = server_accept(_ServerHello(next_header=next_header, read=read, send=send),
+                              key_for=lambda scope: key if scope == SCOPE else None)
     except AuthenticationFailed:
         raise wire.MalformedFrame(f"bad token from {peer}") from None
+    if time.monotonic() - started > HANDSHAKE_SECONDS:
+        raise wire.MalformedFrame(f"handshake from {peer} took longer than {HANDSHAKE_SECONDS:.0f} s")
     body = json.dumps({"engine_id": engine_id}).encode()
     send(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+    if sock is not None:
+        sock.settimeout(previous)
     return hello
 
 

@@ -574,7 +574,7 @@ class _ServerConn:
 
     def run(self) -> None:
         server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
-                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer)
+                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer, sock=self.sock)
         while True:
             hdr = self._next_header()
             if hdr.type is wire.FrameType.WRITE:

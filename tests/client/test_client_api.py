@@ -129,7 +129,8 @@ def test_async_client_round_trip(agent: LocalAgent) -> None:
 def test_help_lists_a_small_public_surface() -> None:
     import daybreak.client as client_module
 
-    assert sorted(client_module.__all__) == ["AsyncKVPoolClient", "KVPoolClient", "KVPoolError", "block_hashes"]
+    assert sorted(client_module.__all__) == ["AsyncKVPoolClient", "KVPoolAuthorizationError", "KVPoolClient",
+                                             "KVPoolError", "block_hashes"]
     for name in ("batch_put", "batch_get_into", "batch_exists", "remove", "close"):
         assert getattr(KVPoolClient, name).__doc__, name
     assert "seconds" in (KVPoolClient.__doc__ or "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from daybreak.client import KVPoolClient, KVPoolError
 from daybreak.pool import protocol as p
-from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.connection import AuthenticationFailed, Connection, RemoteError, parse_address
 from daybreak.pool.shm import SHM_DIR
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
@@ -45,6 +46,10 @@ def start(pool: dict[str, object], *, port: int | None = None, peers: list[str] 
 
 def token(pool: dict[str, object]) -> str:
     return Path(pool["token_file"]).read_text().strip()  # type: ignore[arg-type]
+
+
+def tuple_address(address: str) -> tuple[str, int]:
+    return parse_address(address)
 
 
 def blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
@@ -90,14 +95,25 @@ def test_put_in_one_process_get_in_another(pool: dict[str, object], transport: s
 
 def test_wrong_token_is_refused_and_logged(pool: dict[str, object]) -> None:
     agent = start(pool)
-    with pytest.raises(KVPoolError, match="wrong pool token"):
+    # A wrong secret cannot even complete the handshake: the agent's proof does not check out.
+    with pytest.raises(KVPoolError, match="did not prove"):
         KVPoolClient(endpoints=[agent.address], token="not-the-token", namespace="ns")
-    with pytest.raises(RemoteError):
+    with pytest.raises(AuthenticationFailed):
         Connection(agent.address, token=b"x" * 64)
+    # A client that ignores the agent's proof and answers anyway is refused by the agent.
+    raw = Connection.__new__(Connection)
+    raw.address, raw.sock = agent.address, socket.create_connection(tuple_address(agent.address), timeout=10)
+    raw._ids = itertools.count(1)
+    rid = raw._send(p.Op.HELLO, p.Hello("rogue", "admin", os.urandom(16)).encode())
+    raw._reply(rid)
+    rid = raw._send(p.Op.HELLO, p.HelloProof(b"\0" * 32).encode())
+    with pytest.raises(RemoteError, match="authentication failed"):
+        raw._reply(rid)
+    raw.close()
     # The agent keeps serving the right token.
     with KVPoolClient(endpoints=[agent.address], token=token(pool), namespace="ns") as c:
         assert c.batch_put(["k"], [b"v"]) == [1]
-    assert "reason=wrong_token" in agent.log
+    assert "reason=wrong_credential" in agent.log
 
 
 def test_malformed_frames_close_only_that_connection(pool: dict[str, object]) -> None:
@@ -109,13 +125,18 @@ def test_malformed_frames_close_only_that_connection(pool: dict[str, object]) ->
         cases = [
             b"GARBAGE!" * 3,                                                       # bad magic
             p.pack_header(op=p.Op.HELLO, meta_len=p.MAX_META_BYTES + 1),           # oversized metadata
+            p.pack_header(op=p.Op.HELLO, meta_len=p.MAX_PREAUTH_META_BYTES + 1),   # over the pre-auth limit
             p.pack_header(op=p.Op.PUT, meta_len=4) + b"\x01\x00\x00\x00",         # unauthenticated PUT
         ]
         for raw in cases:
             with socket.create_connection((host, int(port))) as s:
                 s.sendall(raw)
                 s.settimeout(10)
-                assert s.recv(65536) == b""  # closed by the agent
+                try:
+                    got = s.recv(65536)
+                except ConnectionResetError:  # closed with the frame's unread bytes still queued
+                    got = b""
+                assert got == b""  # closed by the agent
         # An authenticated connection sending a truncated PUT record is closed too...
         bad = Connection(agent.address, token=token(pool).encode())
         bad.sock.sendall(p.pack_header(op=p.Op.PUT, meta_len=3) + b"\xff\xff\xff")

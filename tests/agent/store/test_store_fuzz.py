@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from daybreak.client import KVPoolClient
 from daybreak.pool import protocol as p
+from daybreak.pool.connection import Connection
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 pytestmark = pytest.mark.fuzz
@@ -29,7 +30,8 @@ LIVE_SECONDS = 28.0
 FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 VALID: list[tuple[p.Op, bytes]] = [
-    (p.Op.HELLO, p.Hello(b"t" * 64, "client").encode()),
+    (p.Op.HELLO, p.Hello("client", "ns:ns", b"n" * 16).encode()),
+    (p.Op.HELLO, p.HelloProof(b"p" * 32).encode()),
     (p.Op.PUT, p.PutRequest(["ns/a", "ns/b"], [10, 20], [1, 2], 5, 0).encode()),
     (p.Op.GET, p.KeysRequest(["ns/a", "ns/b"], [10, 20]).encode()),
     (p.Op.EXISTS, p.KeysRequest(["ns/a"]).encode()),
@@ -40,6 +42,7 @@ VALID: list[tuple[p.Op, bytes]] = [
 REPLIES: list[tuple[type, bytes]] = [
     (p.BlocksReply, p.BlocksReply([p.BlockInfo(p.Status.OK, 5, 6, "seg", 4096)], 3).encode()),
     (p.HelloReply, p.HelloReply("a", "pool", "probe", b"n" * 16, 10, 2).encode()),
+    (p.HelloChallenge, p.HelloChallenge(b"n" * 16, b"p" * 32).encode()),
     (p.MembersReply, p.MembersReply([p.Member("a", "b", 1)]).encode()),
     (p.TextReply, p.TextReply("x=1").encode()),
 ]
@@ -119,19 +122,20 @@ def agent(tmp_path: Path) -> Iterator[LocalAgent]:
 def test_live_agent_survives_fuzzed_connections(agent: LocalAgent) -> None:
     token = agent.token_file.read_text().strip()
     host, port = agent.address.split(":")
-    hello = p.Hello(token.encode(), "fuzzer").encode()
-    authed = b"".join(p.frame(p.Op.HELLO, hello, request_id=1))
     good = KVPoolClient(endpoints=[agent.address], token=token, namespace="ns", transport="tcp")
     payload = bytes(range(256)) * 16
     assert good.batch_put(["steady"], [payload]) == [1]
     checks = 0
 
     def send(raw: bytes, *, after_hello: bool) -> None:
-        with socket.create_connection((host, int(port)), timeout=5) as s:
+        try:
+            # After the handshake: a real one (challenge-response), then the damaged frame on that socket.
+            s = Connection(agent.address, token=token.encode(), timeout_seconds=5).sock if after_hello else \
+                socket.create_connection((host, int(port)), timeout=5)
+        except OSError:
+            return
+        with s:
             try:
-                if after_hello:
-                    s.sendall(authed)
-                    s.recv(4096)
                 s.sendall(raw)
                 s.shutdown(socket.SHUT_WR)
                 while s.recv(65536):

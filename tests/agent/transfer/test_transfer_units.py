@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 
@@ -22,6 +23,7 @@ from daybreak.agent.transfer import (
     metrics,
     wire,
 )
+from daybreak.pool.handshake import Hello, _proof
 
 
 # -- wire ---------------------------------------------------------------------------------------
@@ -156,12 +158,22 @@ def test_engine_from_agent_settings() -> None:
 
 # -- tcp server robustness -------------------------------------------------------------------------------
 def _hello(sock: socket.socket, token: str) -> wire.Header:
-    body = json.dumps({"engine_id": "unit", "token": token}).encode()
-    sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
-    header = sock.recv(wire.HEADER.size, socket.MSG_WAITALL)
-    hdr = wire.parse_header(header)
-    sock.recv(hdr.payload_len, socket.MSG_WAITALL)
-    return hdr
+    """The challenge-response by hand (as ``control.client_handshake`` does); returns the server's last frame."""
+    def frame(message: dict[str, str]) -> None:
+        body = json.dumps(message).encode()
+        sock.sendall(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
+
+    def answer() -> tuple[wire.Header, bytes]:
+        hdr = wire.parse_header(sock.recv(wire.HEADER.size, socket.MSG_WAITALL))
+        return hdr, sock.recv(hdr.payload_len, socket.MSG_WAITALL) if hdr.payload_len else b""
+
+    nonce = os.urandom(16)
+    frame({"engine_id": "unit", "scope": "admin", "nonce": nonce.hex()})
+    _, body = answer()
+    challenge = json.loads(body)
+    hello = Hello("unit", "admin", nonce)
+    frame({"proof": _proof(token.encode(), b"client", hello, bytes.fromhex(challenge["nonce"])).hex()})
+    return answer()[0]
 
 
 def test_malformed_frame_closes_only_that_connection() -> None:
