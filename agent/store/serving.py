@@ -174,6 +174,7 @@ class Service:
             self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
             return
         reserved = [s for s in slots if isinstance(s, Reservation)]
+        self.store.back(slots)
         try:
             for slot, size in zip(slots, req.sizes, strict=True):
                 if not isinstance(slot, Reservation):
@@ -201,6 +202,7 @@ class Service:
         if refused:
             self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
             return
+        self.store.back(slots)
         parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
         rid_parked = self.store.park(parked)
         infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, *self.store.location(s))
