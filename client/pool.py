@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
 from daybreak.errors import DaybreakError
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
@@ -61,11 +62,14 @@ class KVPoolClient:
     ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
     ``local_first``: write the first copy to this node's agent (the first endpoint reached through
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
+    ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started) to move bytes
+    one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
+    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
-                 verify: bool = True, local_first: bool = True) -> None:
+                 verify: bool = True, local_first: bool = True, engine: DataEngine | None = None) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -87,6 +91,7 @@ class KVPoolClient:
         self._maps: dict[str, ShmSegment] = {}
         self._backing: dict[str, Backing] = {}
         self._checker: ThreadPoolExecutor | None = None
+        self._datapath = EngineDataPath(engine, timeout_seconds=timeout_seconds) if engine is not None else None
         self._members: dict[str, str] = {}  # agent id -> address
         self._refreshed = 0.0
         self._refresh(force=True)
@@ -106,8 +111,8 @@ class KVPoolClient:
         if tier not in ("dram", "hbm"):
             raise ValueError(f"tier must be 'dram' or 'hbm', got {tier!r}")
         self._check(keys, buffers)
-        views = [_view(b, i, writable=False) for i, b in enumerate(buffers)]
-        checksums = [crc32c(v) for v in views]
+        views = self._views(buffers, writable=False)
+        checksums = [0 if isinstance(v, DeviceRef) else crc32c(v) for v in views]
         wire = [self._prefix + k for k in keys]
         copies = [0] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
@@ -144,7 +149,7 @@ class KVPoolClient:
         Raises ValueError when a buffer is smaller than its stored block (after filling the others).
         """
         self._check(keys, buffers)
-        views = [_view(b, i, writable=True) for i, b in enumerate(buffers)]
+        views = self._views(buffers, writable=True)
         wire = [self._prefix + k for k in keys]
         results: list[int | None] = [None] * len(keys)
         too_small: list[str] = []
@@ -252,6 +257,20 @@ class KVPoolClient:
 
     # -- membership and connections ----------------------------------------------------------------
 
+    def _views(self, buffers: Sequence[Any], *, writable: bool) -> list[Any]:
+        """Host buffers as byte views, device buffers as DeviceRefs (those need an engine)."""
+        out: list[Any] = []
+        for i, b in enumerate(buffers):
+            ref = device_ref(b)
+            if ref is None:
+                out.append(_view(b, i, writable=writable))
+            elif self._datapath is None:
+                raise ValueError(f"buffers[{i}] is device memory: pass engine= (a started TransferEngine) to the "
+                                 "client to move device buffers")
+            else:
+                out.append(ref)
+        return out
+
     @staticmethod
     def _check(keys: Sequence[str], buffers: Sequence[Any]) -> None:
         if len(keys) != len(buffers):
@@ -295,6 +314,8 @@ class KVPoolClient:
     def _mark_down(self, agent: str, reason: str) -> None:
         log.info("event=agent_unavailable agent=%s reason=%s", agent, reason)
         self._down[agent] = time.monotonic() + _DOWN_SECONDS
+        if self._datapath is not None:
+            self._datapath.forget(agent)  # a restarted agent registers new segments
         conn = self._conns.pop(agent, None)
         if conn is not None:
             conn.close()
@@ -409,9 +430,21 @@ class KVPoolClient:
             return [i.status if c.status == p.Status.OK else c.status
                     for i, c in zip(reply.blocks, committed, strict=True)]
 
+        def engine(conn: Connection) -> list[p.Status]:
+            assert self._datapath is not None
+            got = self._datapath.put(agent, conn, keys, views, checksums, tier=1 if tier == "hbm" else 0,
+                                     pin_seconds=pin_seconds, flags=flags)
+            if got is None:  # a transfer failed: the stream, unless a device buffer has no other way
+                if any(isinstance(v, DeviceRef) for v in views):
+                    return [p.Status.FULL] * len(keys)
+                return tcp(conn)
+            return got
+
         self._connect_quietly(agent)
-        # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent.
-        statuses = self._call(agent, shm if self._local.get(agent) and tier == "dram" else tcp)
+        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
+        # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent or the engine.
+        statuses = self._call(agent, engine if strategy is Strategy.ENGINE else
+                              shm if self._local.get(agent) and tier == "dram" else tcp)
         if statuses is None:
             return [None] * len(keys)
         if p.Status.LEAVING in statuses:
@@ -456,9 +489,26 @@ class KVPoolClient:
                     reply.blocks[i] = info
             return reply.blocks, verified
 
+        def engine(conn: Connection) -> tuple[list[p.BlockInfo], set[int]]:
+            assert self._datapath is not None
+            got = self._datapath.get(agent, conn, keys, views, flags=flags, verify=self._verify)
+            return got if got is not None else tcp(conn)
+
         self._connect_quietly(agent)
-        result = self._call(agent, shm if self._local.get(agent) else tcp)
+        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
+        result = self._call(agent, engine if strategy is Strategy.ENGINE else shm if self._local.get(agent) else tcp)
         return None if result is None else (list(result[0]), result[1])
+
+    def _strategy(self, agent: str, *, device: bool) -> Strategy:
+        """How bytes move to and from ``agent`` (``daybreak.client.datapath``): engine, memcpy or stream."""
+        if self._datapath is not None and (self._transport == "auto" or device):
+            conn = self._conns.get(agent)
+            if conn is not None:
+                try:
+                    return self._datapath.choose(agent, conn, device=device)
+                except (OSError, p.ProtocolError, RemoteError) as exc:
+                    log.info("event=engine_segments_unavailable agent=%s reason=%s", agent, exc)
+        return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
     def _copy_all(self, copies: list[tuple[int, memoryview, memoryview]]) -> dict[int, int | None]:
         """Copy blocks out of mapped segments and checksum each one while it is still in cache.
