@@ -159,6 +159,15 @@ def test_store_blocks_move_over_rdma_between_nodes_against_the_fake_verbs(tmp_pa
     prefix = f"daybreak-trdma{tag}-x"
     store = BlockStore(StoreConfig(prefix=prefix, dram_bytes=64 * MiB))
     store.open()
+    try:
+        _rdma_round_trip(store, fabric, fake_verbs, tag=tag)
+    finally:
+        store.close(unlink=True)
+        for path in pool_shm.SHM_DIR.glob(f"{prefix}-*"):  # the server's probe segment
+            path.unlink(missing_ok=True)
+
+
+def _rdma_round_trip(store: BlockStore, fabric: Any, fake_verbs: Any, *, tag: str) -> None:
     token = "rdma-test-token"
     agent_engine = TransferEngine(node=f"agent-{tag}", transports=("rdma", "tcp"), token=token,
                                   verbs=fake_verbs(fabric, ["a0", "a1"])).start()
@@ -188,7 +197,6 @@ def test_store_blocks_move_over_rdma_between_nodes_against_the_fake_verbs(tmp_pa
         assert conditions["rdma"]["state"] == "works" and conditions["tcp"]["state"] == "works"
     finally:
         server.close()
-        store.close(unlink=True)
 
 
 def test_preflight_reports_a_transport_that_cannot_move_bytes_as_degraded() -> None:
