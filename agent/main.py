@@ -152,11 +152,13 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
 
     pool = settings.pool_name or "standalone"
     hbm = None
+    runtime = None
     if settings.hbm_bytes:
         from daybreak.agent.runtime import load_runtime
 
         loaded = load_runtime(settings.runtime, sunrise_lib_dir=settings.sunrise_lib_dir)
         if loaded.runtime.devices():
+            runtime = loaded.runtime
             hbm = HbmTier(runtime=loaded.runtime, device=0, capacity=settings.hbm_bytes)
         else:
             log.warning("event=hbm_disabled reason=%r", "no accelerator runtime loaded: " +
@@ -170,6 +172,7 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
         low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
     store.open()
+    datapath = start_datapath(settings, store=store, token=token, runtime=runtime) if settings.store_transfer else None
     tls = peer_tls = None
     if settings.tls_cert_file:
         import ssl
@@ -182,8 +185,22 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
                          limits=Limits(handshake_seconds=settings.handshake_seconds, idle_seconds=settings.idle_seconds,
                                        io_seconds=settings.io_seconds, max_connections=settings.max_connections,
                                        max_connections_per_address=settings.max_connections_per_address),
-                         tls=tls, peer_tls=peer_tls)
+                         tls=tls, peer_tls=peer_tls, datapath=datapath)
     return server
+
+
+def start_datapath(settings: AgentSettings, *, store: Any, token: bytes, runtime: Any = None,
+                   verbs: Any = None) -> Any:
+    """Start the transfer engine from the settings, register the store's segments, run the preflight."""
+    from daybreak.agent.preflight import Preflight
+    from daybreak.agent.store.datapath import StoreDataPath
+    from daybreak.agent.transfer.engine import TransferEngine
+
+    engine = TransferEngine.from_settings(settings, token=token.decode(), runtime=runtime, verbs=verbs).start()
+    datapath = StoreDataPath(store=store, engine=engine, own_engine=True)
+    datapath.register()
+    datapath.preflight = Preflight(engine=engine, runtime=runtime).run()
+    return datapath
 
 
 def start_store(settings: AgentSettings) -> Any:
@@ -237,7 +254,11 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     def segments() -> list[Any]:
         return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
-    return {"store_segments": segments, "tier_usage": store.usage}
+    hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage}
+    datapath = getattr(server, "datapath", None)
+    if datapath is not None:  # per-transport conditions and the engine's segments, for KVNode
+        hooks["transfer_state"] = lambda: (datapath.preflight.conditions(), datapath.descriptors())
+    return hooks
 
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:

@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daybreak.agent.registration import MemoryRegistrar, Registrar, Segment
 from daybreak.agent.runtime import LoadedRuntime, load_runtime
@@ -42,8 +42,11 @@ class NodeAgent:
     """Hardware, registration and publishing state of one node (one instance per agent process)."""
 
     def __init__(self, settings: AgentSettings, *, store_segments: SegmentSource | None = None,
-                 tier_usage: UsageSource | None = None, registrar_factory: RegistrarFactory | None = None) -> None:
+                 tier_usage: UsageSource | None = None, registrar_factory: RegistrarFactory | None = None,
+                 transfer_state: Callable[[], Any] | None = None) -> None:
         self.settings = settings
+        # The store's transfer engine: (per-transport conditions, segment descriptors) for KVNode
+        self._transfer: Callable[[], Any] = transfer_state or (lambda: ([], []))
         self._segments = store_segments or (lambda: ())
         self._usage = tier_usage or (lambda: {})
         self._registrar_factory = registrar_factory
@@ -148,7 +151,8 @@ class NodeAgent:
         now = datetime.now(UTC)
         status = kvnode_status(self.topology, self.registrar, node_name=s.node_name,
                                segments=list(self._registered.values()), capacity=self.capacity(),
-                               used=self._usage(), now=now, ready_since=self._ready_since or now)
+                               used=self._usage(), now=now, ready_since=self._ready_since or now,
+                               transfer=self._transfer()[0], engine_segments=self._transfer()[1])
         desired.clear()
         desired.update(labels)
         await publisher.publish(labels, status)
@@ -165,7 +169,8 @@ class NodeAgent:
 async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSource | None = None,
                          tier_usage: UsageSource | None = None, stop: asyncio.Event | None = None,
                          started: Callable[[NodeAgent], None] | None = None,
-                         registrar_factory: RegistrarFactory | None = None) -> None:
+                         registrar_factory: RegistrarFactory | None = None,
+                         transfer_state: Callable[[], Any] | None = None) -> None:
     """Cluster mode: discover -> register -> publish, refreshing until ``stop``; always cleans up.
 
     ``started`` is called once discovery and registration are done (the process main can hand the
@@ -174,7 +179,7 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
         raise ValueError("node_name: cluster mode needs the node name (DAYBREAK_NODE_NAME from the downward API)")
     stop = stop or asyncio.Event()
     agent = NodeAgent(settings, store_segments=store_segments, tier_usage=tier_usage,
-                      registrar_factory=registrar_factory)
+                      registrar_factory=registrar_factory, transfer_state=transfer_state)
     try:
         await agent.start()
         if started is not None:

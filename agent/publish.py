@@ -42,6 +42,7 @@ from daybreak.api.node import (
     NodeRdma,
     NodeSegment,
     NodeTierBytes,
+    NodeTransport,
 )
 from daybreak.version import __version__
 
@@ -126,7 +127,8 @@ def _attributes(bus_id: str | None, root: str | None) -> dict[str, str]:
 
 def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str, segments: Sequence[Segment] = (),
                   capacity: Mapping[str, int] | None = None, used: Mapping[str, int] | None = None,
-                  now: datetime | None = None, ready_since: datetime | None = None) -> KVNodeStatus:
+                  now: datetime | None = None, ready_since: datetime | None = None,
+                  transfer: Sequence[Mapping[str, Any]] = (), engine_segments: Sequence[str] = ()) -> KVNodeStatus:
     """The KVNode status for one refresh; ``ready_since`` is the first successful publish (transition time)."""
     now = now or datetime.now(UTC)
     accelerators = [NodeAccelerator(id=g.id, pci_bus_id=g.pci_bus_id, numa_node=g.numa_node, vendor=g.vendor,
@@ -145,6 +147,15 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
     ready = Condition(type="Ready", status=ConditionStatus.TRUE, reason="TopologyPublished",
                       message=f"{len(accelerators)} accelerator(s), {len(nics)} RDMA NIC(s); {registrar.status}",
                       last_transition_time=ready_since or now)
+    transports = [NodeTransport(transport=t["transport"], state=t["state"], reason=t.get("reason", ""),
+                                bytes_used=t.get("bytesUsed", 0), bytes_fell_back=t.get("bytesFellBack", 0))
+                  for t in transfer]
+    conditions = [ready] + [
+        Condition(type=f"Transport{t.transport.capitalize()}",
+                  status=ConditionStatus.TRUE if t.state == "works" else ConditionStatus.FALSE,
+                  reason="Works" if t.state == "works" else "Degraded",
+                  message=t.reason or f"{t.transport}: loopback check passed, no fallback", last_transition_time=now)
+        for t in transports]
     return KVNodeStatus(
         accelerator=accelerator_kind(topo), runtime=topo.runtime, runtime_skipped=dict(topo.runtime_skipped),
         link_domain=link_domain(topo, node_name), accelerators=accelerators, nics=nics,
@@ -153,7 +164,8 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
         rdma=NodeRdma(available=registrar.rdma, reason=registrar.reason, nics=list(registrar.nic_names)),
         transports=registrar.transports(), segments=node_segments,
         capacity=NodeTierBytes(**dict(capacity or {})), used=NodeTierBytes(**dict(used or {})),
-        agent_version=__version__, heartbeat_time=now.isoformat().replace("+00:00", "Z"), conditions=[ready],
+        agent_version=__version__, heartbeat_time=now.isoformat().replace("+00:00", "Z"), conditions=conditions,
+        transfer=transports, engine_segments=list(engine_segments),
     )
 
 

@@ -80,6 +80,8 @@ class AgentSettings(BaseModel):
     transfer_connections: int = Field(2, ge=1, le=64, description="tcp connections per peer engine")
     transfer_slice_bytes: int = Field(4 << 20, ge=4096, le=256 << 20, description="largest tcp slice in bytes")
     transfer_checksum: bool = Field(False, description="crc32c every tcp slice")
+    store_transfer: bool = Field(True, description="serve the store's segments through the transfer engine "
+                                 "(shm, link, rdma; docs/architecture.md 'Control vs data'); off: the store stream only")
     transfer_timeout_seconds: float = Field(30.0, gt=0, description="default deadline of a transfer batch")
 
     @classmethod

@@ -136,6 +136,21 @@ class NodeTierBytes(ApiModel):
     """Bytes in the SSD tier."""
 
 
+class NodeTransport(ApiModel):
+    """One transport of the node's transfer engine: whether it works, and what traffic actually used."""
+
+    transport: str = Field(min_length=1, max_length=32)
+    """shm, tcp, rdma or link."""
+    state: str = Field(pattern=r"^(works|degraded)$")
+    """works: the start-up loopback check passed and nothing has fallen back from it since; else degraded."""
+    reason: str = Field(default="", max_length=1024)
+    """Why it is degraded (the failed check, or how many bytes fell back to which transport)."""
+    bytes_used: int = Field(default=0, ge=0)
+    """Bytes completed requests moved over this transport since the agent started."""
+    bytes_fell_back: int = Field(default=0, ge=0)
+    """Bytes of requests that preferred this transport but completed on a later one of their chain."""
+
+
 class KVNodeStatus(ApiModel):
     """What the node's agent found and serves."""
 
@@ -165,6 +180,10 @@ class KVNodeStatus(ApiModel):
     """Transports the node's store offers (rdma, tcp, ...)."""
     segments: list[NodeSegment] = Field(default_factory=list)
     """Memory segments served and their registrations."""
+    transfer: list[NodeTransport] = Field(default_factory=list)
+    """Per transport of the transfer engine: works or degraded (also a ``Transport<Name>`` condition each)."""
+    engine_segments: list[str] = Field(default_factory=list)
+    """Segment descriptors (JSON) of the store's memory registered with the transfer engine."""
     capacity: NodeTierBytes | None = None
     """Bytes the node's store can hold, per tier."""
     used: NodeTierBytes | None = None
@@ -174,7 +193,8 @@ class KVNodeStatus(ApiModel):
     heartbeat_time: str | None = None
     """When the agent last refreshed this status (RFC 3339)."""
     conditions: list[Condition] = conditions_field()
-    """Ready: the agent published a current topology."""
+    """Ready: the agent published a current topology; Transport<Name> (TransportShm, TransportRdma, ...):
+    True when that transport works, False (reason Degraded) with the cause."""
 
 
 class KVNode(CustomResource):

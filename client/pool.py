@@ -17,8 +17,10 @@ import re
 import ssl
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
@@ -26,7 +28,7 @@ from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
-from daybreak.pool.shm import ShmSegment, populate
+from daybreak.pool.shm import Backing, ShmSegment
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ _DOWN_SECONDS = 2.0
 _MAX_BATCH_KEYS = 1024
 _MAX_BATCH_BYTES = 1 << 30
 _MAX_IDLE_SECONDS = 60.0  # reconnect before reusing an older idle connection (agents close idle ones)
+_SPLIT_BYTES = 4 << 20  # verified same-node reads of at least this much use two threads
 
 
 class KVPoolError(DaybreakError):
@@ -70,11 +73,15 @@ class KVPoolClient:
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
     ``tls_ca_file``: speak TLS to the agents (started with ``--tls-cert``), checking their
     certificates against this CA bundle (docs/security.md has the cost).
+    ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started) to move bytes
+    one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
+    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
-                 verify: bool = True, local_first: bool = True, tls_ca_file: str | None = None) -> None:
+                 verify: bool = True, local_first: bool = True, tls_ca_file: str | None = None,
+                 engine: DataEngine | None = None) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -104,6 +111,9 @@ class KVPoolClient:
         self._local: dict[str, bool] = {}
         self._down: dict[str, float] = {}
         self._maps: dict[str, ShmSegment] = {}
+        self._backing: dict[str, Backing] = {}
+        self._checker: ThreadPoolExecutor | None = None
+        self._datapath = EngineDataPath(engine, timeout_seconds=timeout_seconds) if engine is not None else None
         self._members: dict[str, str] = {}  # agent id -> address
         self._refreshed = 0.0
         self._refresh(force=True)
@@ -123,8 +133,8 @@ class KVPoolClient:
         if tier not in ("dram", "hbm"):
             raise ValueError(f"tier must be 'dram' or 'hbm', got {tier!r}")
         self._check(keys, buffers)
-        views = [_view(b, i, writable=False) for i, b in enumerate(buffers)]
-        checksums = [crc32c(v) for v in views]
+        views = self._views(buffers, writable=False)
+        checksums = [0 if isinstance(v, DeviceRef) else crc32c(v) for v in views]
         wire = [self._prefix + k for k in keys]
         copies = [0] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
@@ -161,7 +171,7 @@ class KVPoolClient:
         Raises ValueError when a buffer is smaller than its stored block (after filling the others).
         """
         self._check(keys, buffers)
-        views = [_view(b, i, writable=True) for i, b in enumerate(buffers)]
+        views = self._views(buffers, writable=True)
         wire = [self._prefix + k for k in keys]
         results: list[int | None] = [None] * len(keys)
         too_small: list[str] = []
@@ -256,6 +266,10 @@ class KVPoolClient:
             with contextlib.suppress(BufferError):
                 seg.close()
         self._maps.clear()
+        self._backing.clear()
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
+            self._checker = None
 
     def __enter__(self) -> KVPoolClient:
         return self
@@ -264,6 +278,20 @@ class KVPoolClient:
         self.close()
 
     # -- membership and connections ----------------------------------------------------------------
+
+    def _views(self, buffers: Sequence[Any], *, writable: bool) -> list[Any]:
+        """Host buffers as byte views, device buffers as DeviceRefs (those need an engine)."""
+        out: list[Any] = []
+        for i, b in enumerate(buffers):
+            ref = device_ref(b)
+            if ref is None:
+                out.append(_view(b, i, writable=writable))
+            elif self._datapath is None:
+                raise ValueError(f"buffers[{i}] is device memory: pass engine= (a started TransferEngine) to the "
+                                 "client to move device buffers")
+            else:
+                out.append(ref)
+        return out
 
     @staticmethod
     def _check(keys: Sequence[str], buffers: Sequence[Any]) -> None:
@@ -308,6 +336,8 @@ class KVPoolClient:
     def _mark_down(self, agent: str, reason: str) -> None:
         log.info("event=agent_unavailable agent=%s reason=%s", agent, reason)
         self._down[agent] = time.monotonic() + _DOWN_SECONDS
+        if self._datapath is not None:
+            self._datapath.forget(agent)  # a restarted agent registers new segments
         conn = self._conns.pop(agent, None)
         if conn is not None:
             conn.close()
@@ -333,6 +363,7 @@ class KVPoolClient:
         # A restarted agent may have new segments: drop mappings from before.
         prefix = conn.hello.shm_probe.removesuffix("-probe")
         for name in [n for n in self._maps if n.startswith(prefix)]:
+            self._backing.pop(name, None)
             with contextlib.suppress(BufferError):
                 self._maps.pop(name).close()
         return conn
@@ -401,9 +432,18 @@ class KVPoolClient:
         seg = self._maps.get(name)
         if seg is None:
             seg = self._maps[name] = ShmSegment.attach(name)
-            # One call maps every page now instead of a fault per 4 KiB page on first copy.
-            populate(seg, 0, seg.size, write=True)
+            self._backing[name] = Backing(seg)
         return seg
+
+    def _extent(self, name: str, offset: int, size: int) -> memoryview:
+        """An extent of a mapped agent segment, its pages mapped first (one madvise per 2 MiB window, once).
+
+        Only the windows a request touches are mapped, so a client of an agent that is still
+        backing its tier never waits for the whole segment.
+        """
+        seg = self._segment(name)
+        self._backing[name].ensure(offset, size)
+        return seg.buffer[offset:offset + size]
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
                    pin_seconds: int, tier: str, *, flags: int = 0) -> list[p.Status | None]:
@@ -416,7 +456,7 @@ class KVPoolClient:
             try:
                 for info, view in zip(reply.blocks, views, strict=True):
                     if info.status == p.Status.OK:
-                        self._segment(info.where).buffer[info.offset:info.offset + len(view)] = view
+                        self._extent(info.where, info.offset, len(view))[:] = view
             except BaseException:
                 conn.commit(reply.lease_id, abort=True)
                 raise
@@ -426,9 +466,21 @@ class KVPoolClient:
             return [i.status if c.status == p.Status.OK else c.status
                     for i, c in zip(reply.blocks, committed, strict=True)]
 
+        def engine(conn: Connection) -> list[p.Status]:
+            assert self._datapath is not None
+            got = self._datapath.put(agent, conn, keys, views, checksums, tier=1 if tier == "hbm" else 0,
+                                     pin_seconds=pin_seconds, flags=flags)
+            if got is None:  # a transfer failed: the stream, unless a device buffer has no other way
+                if any(isinstance(v, DeviceRef) for v in views):
+                    return [p.Status.FULL] * len(keys)
+                return tcp(conn)
+            return got
+
         self._connect_quietly(agent)
-        # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent.
-        statuses = self._call(agent, shm if self._local.get(agent) and tier == "dram" else tcp)
+        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
+        # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent or the engine.
+        statuses = self._call(agent, engine if strategy is Strategy.ENGINE else
+                              shm if self._local.get(agent) and tier == "dram" else tcp)
         if statuses is None:
             return [None] * len(keys)
         if p.Status.LEAVING in statuses:
@@ -454,7 +506,7 @@ class KVPoolClient:
                     elif not info.where:
                         fallback.append(i)
                     else:
-                        source = self._segment(info.where).buffer[info.offset:info.offset + info.size]
+                        source = self._extent(info.where, info.offset, info.size)
                         copies.append((i, view[:info.size], source))
                 checked = self._copy_all(copies)
             finally:
@@ -473,22 +525,57 @@ class KVPoolClient:
                     reply.blocks[i] = info
             return reply.blocks, verified
 
+        def engine(conn: Connection) -> tuple[list[p.BlockInfo], set[int]]:
+            assert self._datapath is not None
+            got = self._datapath.get(agent, conn, keys, views, flags=flags, verify=self._verify)
+            return got if got is not None else tcp(conn)
+
         self._connect_quietly(agent)
-        result = self._call(agent, shm if self._local.get(agent) else tcp)
+        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
+        result = self._call(agent, engine if strategy is Strategy.ENGINE else shm if self._local.get(agent) else tcp)
         return None if result is None else (list(result[0]), result[1])
+
+    def _strategy(self, agent: str, *, device: bool) -> Strategy:
+        """How bytes move to and from ``agent`` (``daybreak.client.datapath``): engine, memcpy or stream."""
+        if self._datapath is not None and (self._transport == "auto" or device):
+            conn = self._conns.get(agent)
+            if conn is not None:
+                try:
+                    return self._datapath.choose(agent, conn, device=device)
+                except (OSError, p.ProtocolError, RemoteError) as exc:
+                    log.info("event=engine_segments_unavailable agent=%s reason=%s", agent, exc)
+        return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
     def _copy_all(self, copies: list[tuple[int, memoryview, memoryview]]) -> dict[int, int | None]:
         """Copy blocks out of mapped segments and checksum each one while it is still in cache.
 
-        ``ctypes.memmove`` releases the GIL, so the agent's threads run during the copy. (Two
-        copier threads were measured slower than one here: the copy is memory-bound.)
+        The CRC is taken of the caller's buffer after the copy (what the caller gets is what is
+        checked, whatever the segment holds meanwhile). ``ctypes.memmove`` and ``crc32c``
+        release the GIL; a batch of at least ``_SPLIT_BYTES`` is split between this thread and
+        one helper thread, each copying and then checking its own blocks, so the check (compute
+        bound, on cache-hot bytes) overlaps the other half's copy (memory bound). Two threads
+        that only copy were measured slower than one: the split pays off only with the check.
         """
         out: dict[int, int | None] = {}
-        for i, dst, src in copies:
-            n = len(src)
-            if n:
-                ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
-            out[i] = crc32c(dst) if self._verify else None
+        verify = self._verify
+
+        def run(part: list[tuple[int, memoryview, memoryview]]) -> None:
+            for i, dst, src in part:
+                n = len(src)
+                if n:
+                    ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
+                out[i] = crc32c(dst) if verify else None
+
+        if verify and len(copies) > 1 and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-check")
+            helper = self._checker.submit(run, copies[1::2])
+            try:
+                run(copies[0::2])
+            finally:
+                helper.result()
+        else:
+            run(copies)
         return out
 
     def _connect_quietly(self, agent: str) -> None:

@@ -151,6 +151,21 @@ class Connection:
         return self._blocks(p.Op.COMMIT, p.LeaseRequest(reservation_id).encode(),
                             flags=flags | (p.FLAG_ABORT if abort else 0)).blocks
 
+    def segments(self) -> list[p.SegmentEntry]:
+        """The agent's segments registered with its transfer engine (empty when it runs none)."""
+        _, raw = self._call(p.Op.SEGMENTS, b"")
+        return p.SegmentsReply.decode(raw).segments
+
+    def xlocate(self, keys: Sequence[str], *, flags: int = 0) -> p.BlocksReply:
+        """Engine read: (segment id, offset) per key plus a lease id to RELEASE after the transfer."""
+        return self._blocks(p.Op.XLOCATE, p.KeysRequest(list(keys)).encode(), flags=flags)
+
+    def xalloc(self, keys: Sequence[str], sizes: Sequence[int], checksums: Sequence[int], *, tier: int = 0,
+               pin_seconds: int = 0, agent_crc: bool = False) -> p.BlocksReply:
+        """Engine write: reserve space; transfer into the returned (segment id, offset), then COMMIT."""
+        meta = p.PutRequest(list(keys), list(sizes), list(checksums), pin_seconds, tier).encode()
+        return self._blocks(p.Op.XALLOC, meta, flags=p.FLAG_AGENT_CRC if agent_crc else 0)
+
     def record(self, holder: str, keys: Sequence[str]) -> list[p.BlockInfo]:
         """Tell a key's home that ``holder`` has the block (local-first writes)."""
         return self._blocks(p.Op.RECORD, p.RecordRequest(holder, list(keys)).encode()).blocks

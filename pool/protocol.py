@@ -71,6 +71,11 @@ class Op(enum.IntEnum):
     STATS = 12       # counters as a small text record (tests, bench)
     REPORT = 13      # a client found a checksum mismatch: verify and drop the block
     RECORD = 14      # agent-to-agent: "I hold these keys" (local-first writes, recorded at their home)
+    # The transfer engine's control ops (docs/architecture.md, "Control vs data"): bytes move by the
+    # engine (shm, link, rdma) into the agent's registered segments, the store protocol says where.
+    SEGMENTS = 15    # the agent's registered segments: (tier, index, descriptor JSON) each
+    XLOCATE = 16     # engine get: reply holds (segment id, offset) per key and a lease to RELEASE
+    XALLOC = 17      # engine put: reserve (any tier), reply holds (segment id, offset); COMMIT publishes
     REPLY = 64
     ERROR = 65
 
@@ -94,6 +99,7 @@ FLAG_REPLICA = 1 << 0   # PUT from another agent (handoff, pull-through): do not
 FLAG_PULL = 1 << 1      # GET/LOCATE at the key's home: on a miss, fetch from the other agents
 FLAG_ABORT = 1 << 2     # COMMIT: abandon the reservation instead of publishing it
 FLAG_RECORD = 1 << 3    # PUT/COMMIT away from the key's home: record the holder there (local-first writes)
+FLAG_AGENT_CRC = 1 << 4  # XALLOC: the writer cannot checksum its bytes (device memory); the agent does at COMMIT
 
 
 @dataclass(frozen=True)
@@ -558,6 +564,45 @@ class RecordRequest:
         return msg
 
 
+@dataclass
+class SegmentEntry:
+    """One registered segment of an agent: the tier it backs, its index there, its engine descriptor (JSON)."""
+
+    tier: int  # 0 = DRAM, 1 = HBM
+    index: int
+    descriptor: str
+
+
+@dataclass
+class SegmentsReply:
+    """Reply to SEGMENTS: what a client opens with its transfer engine to reach the agent's tiers."""
+
+    segments: list[SegmentEntry]
+
+    def encode(self) -> bytes:
+        w = Writer().u32(len(self.segments))
+        for e in self.segments:
+            w.u8(e.tier).u32(e.index).blob(e.descriptor.encode(), limit=MAX_TEXT_BYTES * 4)
+        return bytes(w.buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> SegmentsReply:
+        r = Reader(raw)
+        n = r.count(limit=1024)
+        out = []
+        for _ in range(n):
+            tier, index = r.u8(), r.u32()
+            try:
+                text = r.blob(limit=MAX_TEXT_BYTES * 4).decode()
+            except UnicodeDecodeError:
+                raise ProtocolError("segment descriptor is not UTF-8") from None
+            if tier > 1:
+                raise ProtocolError(f"unknown tier {tier}")
+            out.append(SegmentEntry(tier, index, text))
+        r.end()
+        return cls(out)
+
+
 # Which metadata record each request op carries (used by the server's dispatcher and the fuzzer).
 REQUEST_TYPES: dict[Op, Any] = {
     Op.HELLO: Hello,
@@ -572,6 +617,8 @@ REQUEST_TYPES: dict[Op, Any] = {
     Op.COMMIT: LeaseRequest,
     Op.PING: MembersReply,
     Op.RECORD: RecordRequest,
+    Op.XLOCATE: KeysRequest,
+    Op.XALLOC: PutRequest,
 }
 
 

@@ -92,3 +92,65 @@ def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bo
     except (OSError, ValueError, AttributeError):
         return False
     return True
+
+
+BACKING_WINDOW = 2 << 20  # populate granularity: one madvise per 2 MiB instead of 512 page faults
+
+
+class Backing:
+    """Which windows of one mapped segment this process has already backed (pages and page tables).
+
+    ``ensure`` populates only the windows an access is about to touch, once each, so the first
+    request to a fresh segment pays for its own pages instead of the whole segment's (an agent
+    backs its tier in the background; a first put must not wait for that). Racing callers may
+    populate a window twice, which is harmless: populating never changes contents.
+    """
+
+    def __init__(self, segment: ShmSegment) -> None:
+        self.segment = segment
+        self._done = bytearray(-(-segment.size // BACKING_WINDOW))
+        self.supported = True
+
+    def ensure(self, start: int, length: int) -> None:
+        """Back ``[start, start + length)`` now, window by window (a no-op for windows already backed)."""
+        if not self.supported or length <= 0:
+            return
+        first = start // BACKING_WINDOW
+        last = min((start + length - 1) // BACKING_WINDOW, len(self._done) - 1)
+        i = first
+        while i <= last:
+            if self._done[i]:
+                i += 1
+                continue
+            j = i
+            while j <= last and not self._done[j]:
+                j += 1
+            begin = i * BACKING_WINDOW
+            end = min(j * BACKING_WINDOW, self.segment.size)
+            if not populate(self.segment, begin, end - begin, write=True):
+                self.supported = False  # old kernel: page faults back the pages instead
+                return
+            self._done[i:j] = b"\x01" * (j - i)
+            i = j
+
+    def mark(self, start: int, length: int) -> None:
+        """Record ``[start, start + length)`` as backed by someone else in this process (whole windows only)."""
+        first = -(-start // BACKING_WINDOW)
+        last = (start + length) // BACKING_WINDOW
+        if last > first:
+            self._done[first:last] = b"\x01" * (last - first)
+
+    def pending(self) -> list[tuple[int, int]]:
+        """Runs of windows not backed yet, as (start, length) byte ranges."""
+        runs: list[tuple[int, int]] = []
+        i = 0
+        while i < len(self._done):
+            if self._done[i]:
+                i += 1
+                continue
+            j = i
+            while j < len(self._done) and not self._done[j]:
+                j += 1
+            runs.append((i * BACKING_WINDOW, min(j * BACKING_WINDOW, self.segment.size) - i * BACKING_WINDOW))
+            i = j
+        return runs

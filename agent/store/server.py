@@ -16,6 +16,7 @@ import secrets
 import socket
 import ssl
 import threading
+from typing import Any
 
 from daybreak.agent.store.engine import BlockStore
 from daybreak.agent.store.handoff import HandOff
@@ -41,7 +42,7 @@ class StoreServer:
     def __init__(self, store: BlockStore, *, listen: str, token: bytes, pool: str, advertise: str = "",
                  peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10,
                  limits: Limits | None = None, tls: ssl.SSLContext | None = None,
-                 peer_tls: ssl.SSLContext | None = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None, datapath: Any = None) -> None:
         self.store = store
         self.pool = pool
         host, port = parse_address(listen)
@@ -66,6 +67,9 @@ class StoreServer:
                                records=self.records, pull=self.pull, limits=limits, tls=tls,
                                welcome=Welcome(pool=pool, shm_probe=self.probe.name, shm_nonce=nonce,
                                                lease_seconds=lease_seconds, replicas=replicas))
+        self.datapath = datapath  # agent.store.datapath.StoreDataPath: the engine's control ops
+        if datapath is not None:
+            self.service.handlers.update(datapath.handlers(self.service))
         self._closed = self.service.closed
         self._threads: list[threading.Thread] = []
 
@@ -97,6 +101,8 @@ class StoreServer:
         for t in self._threads:
             t.join(timeout=5)
         self.membership.close()
+        if self.datapath is not None:
+            self.datapath.close()
         with contextlib.suppress(BufferError):
             self.probe.close()
 

@@ -357,6 +357,7 @@ class Service:
                     infos.append(p.BlockInfo(slot))
                     continue
                 written.append(slot)
+                self.store.back([slot])  # fault in this block's extent now, not block by block in a cold tier
                 target = self.store.write_buffer(slot)
                 target[:len(first)] = first
                 recv_exact_into(conn, target[len(first):], deadline=deadline)
@@ -379,6 +380,38 @@ class Service:
     def _open_leases(self) -> int:
         session = self.session
         return len(session.leases) + len(session.parked)
+
+    # -- per-connection holds, also for the transfer-engine ops in agent/store/datapath.py ---------------
+
+    def admit_hold(self) -> int | None:
+        """Refuse a new lease or reservation past the connection's cap; the bytes it may still reserve.
+
+        ``None`` for in-process callers that skipped the handshake (no connection to bound).
+        """
+        session: Session | None = getattr(self._local, "session", None)
+        if session is None:
+            return None
+        if self._open_leases() >= self.limits.max_open_leases:
+            raise NotAuthorized(f"{self.limits.max_open_leases} leases and reservations already open on this "
+                                "connection; COMMIT or RELEASE some first")
+        return self.limits.max_reserved_bytes - sum(session.parked.values())
+
+    def hold_lease(self, lease_id: int) -> None:
+        """The lease ends with RELEASE on this connection, or when the connection closes."""
+        session: Session | None = getattr(self._local, "session", None)
+        if session is not None and lease_id:
+            session.leases.add(lease_id)
+
+    def hold_reservation(self, reservation_id: int, size: int) -> None:
+        """The reservation is committed or aborted by this connection only, or aborted when it closes."""
+        session: Session | None = getattr(self._local, "session", None)
+        if session is not None:
+            session.parked[reservation_id] = size
+
+    def owns_reservation(self, reservation_id: int) -> bool:
+        """Take the reservation out of this connection's holds; False when another connection made it."""
+        session: Session | None = getattr(self._local, "session", None)
+        return session is None or session.parked.pop(reservation_id, None) is not None
 
     def _alloc(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.AllocRequest)
@@ -403,6 +436,7 @@ class Service:
         if refused:
             self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
             return
+        self.store.back(slots)
         parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
         rid_parked = self.store.park(parked)
         session.parked[rid_parked] = sum(r.size for r in parked if r is not None)

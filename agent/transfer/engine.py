@@ -157,6 +157,9 @@ class TransferEngine:
         self._metric_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._started = False
         self._closed = False
+        # What transfers actually used: bytes per transport, and bytes per (preferred, used) fallback.
+        self.bytes_used: dict[str, int] = {}
+        self.bytes_fell_back: dict[tuple[str, str], int] = {}
 
     @classmethod
     def from_settings(cls, settings: Any, *, token: str = "", runtime: Any = None, topology: Any = None,
@@ -374,6 +377,27 @@ class TransferEngine:
         batch.raise_for_status()
         return batch.results
 
+    def move(self, moves: Sequence[tuple[Any, ...]], *,
+             timeout_s: float | None = None) -> list[tuple[bool, str, str]]:
+        """A batch in plain primitives, for callers that cannot import this package (``daybreak.client``).
+
+        Each move is ``(op, remote, remote_offset, local, length)`` with op ``"read"`` or
+        ``"write"`` and ``local`` a host buffer, a ``LocalSegment`` or a ``DeviceMemory`` (an optional
+        sixth element is the offset into a ``LocalSegment``); returns
+        ``(completed, transport, error)`` per move, waiting at most ``timeout_s``.
+        """
+        requests = [TransferRequest.read(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0)
+                    if m[0] == "read" else
+                    TransferRequest.write(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0)
+                    for m in moves]
+        batch = self.submit(requests, timeout_s=timeout_s)
+        batch.wait()
+        return [(r.status is Status.COMPLETED, r.transport, r.error) for r in batch.results]
+
+    def device_memory(self, device: int, ptr: int, size: int) -> DeviceMemory:
+        """A ``DeviceMemory`` for a caller that holds a raw device pointer (the client library's device buffers)."""
+        return DeviceMemory(device, ptr, size)
+
     def _job(self, batch: BatchHandle, index: int, request: TransferRequest) -> Job:
         where = f"requests[{index}]"
         if not isinstance(request, TransferRequest):
@@ -492,11 +516,16 @@ class TransferEngine:
                 slot = 1 if job.op is Op.WRITE else 0
                 nbytes[slot] += job.length
                 count[slot] += 1
+                if job.pos:  # a later transport of its chain moved it: count what fell back
+                    key = (job.chain[0], name)
+                    self.bytes_fell_back[key] = self.bytes_fell_back.get(key, 0) + job.length
+                    metrics.FALLBACK_BYTES.labels(job.chain[0], name).inc(job.length)
             if job.peer != peer:
                 peer = job.peer
                 self.breaker.success((name, peer))
         for slot in (0, 1):
             if count[slot]:
+                self.bytes_used[name] = self.bytes_used.get(name, 0) + nbytes[slot]
                 requests, moved = self._completed_metrics(name, slot)
                 requests.inc(count[slot])
                 moved.inc(nbytes[slot])

@@ -1,0 +1,184 @@
+"""The store's data path through the transfer engine: its segments registered and published, and the control ops.
+
+Control vs data (docs/architecture.md): the store protocol says where a
+block lives (``XLOCATE``), reserves where it will land (``XALLOC``), publishes
+it (``COMMIT``) and ends the reader's lease (``RELEASE``); the bytes move
+through the transfer engine, one-sided, into or out of the segments this
+module registered: the DRAM tier's /dev/shm segments (shm on this node, rdma
+from others) and the HBM tier's device buffer (link: Sunrise Link or CUDA IPC
+on this node, GDR over rdma). ``SEGMENTS`` hands a client the descriptors.
+
+A one-sided write lands without the agent seeing the bytes, so COMMIT of an
+``XALLOC`` reservation checksums what landed (in the agent's own memory) and
+refuses a block whose CRC-32C is not the writer's: the check sits where the
+bytes are, once per block, and a writer that cannot checksum its buffer
+(device memory) asks the agent to compute it (``FLAG_AGENT_CRC``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+from daybreak.agent.store.engine import BlockStore, Reservation
+from daybreak.agent.transfer.transport import LocalSegment
+from daybreak.pool import protocol as p
+from daybreak.pool.checksum import crc32c
+
+log = logging.getLogger(__name__)
+
+TIER_NUMBER = {"dram": 0, "hbm": 1}
+
+
+class StoreDataPath:
+    """Registers one BlockStore's memory with one transfer engine and answers the engine control ops.
+
+    ``engine`` is a started ``daybreak.agent.transfer.TransferEngine``; this object owns neither
+    the store nor (unless ``own_engine``) the engine.
+    """
+
+    def __init__(self, *, store: BlockStore, engine: Any, own_engine: bool = False) -> None:
+        self.store = store
+        self.engine = engine
+        self.own_engine = own_engine
+        self.segments: dict[tuple[str, int], LocalSegment] = {}
+        self._agent_crc: dict[int, bool] = {}  # XALLOC reservation id -> the agent computes the CRC
+        self._lock = threading.Lock()
+        self.preflight: Any = None  # agent.preflight.Preflight, once it ran
+
+    # -- registration ------------------------------------------------------------------------------
+
+    def register(self) -> list[p.SegmentEntry]:
+        """Register the DRAM segments and the HBM buffer (when there is one); returns what SEGMENTS answers."""
+        for index, seg in enumerate(self.store.shm_segments()):
+            self.segments[("dram", index)] = self.engine.register_segment(seg, name=seg.name)
+        hbm = self.store.hbm
+        if hbm is not None:
+            self.segments[("hbm", 0)] = self.engine.register_segment(hbm.buffer, name=f"{self.store.shm_prefix}-hbm-0")
+        log.info("event=datapath_registered engine=%s segments=%d transports=%s", self.engine.engine_id,
+                 len(self.segments), ",".join(self.engine.transports))
+        return self.entries()
+
+    def entries(self) -> list[p.SegmentEntry]:
+        return [p.SegmentEntry(TIER_NUMBER[tier], index, seg.descriptor.to_json())
+                for (tier, index), seg in self.segments.items()]
+
+    def descriptors(self) -> list[str]:
+        """The node's registered segments as descriptor JSON (what the node publishes)."""
+        return [seg.descriptor.to_json() for seg in self.segments.values()]
+
+    def close(self) -> None:
+        for seg in self.segments.values():
+            try:
+                self.engine.unregister_segment(seg)
+            except KeyError:
+                pass
+        self.segments.clear()
+        if self.own_engine:
+            self.engine.close()
+
+    def segment_of(self, tier: str, index: int) -> str:
+        seg = self.segments.get((tier, index))
+        return seg.segment_id if seg is not None else ""
+
+    # -- handlers -------------------------------------------------------------------------------------
+
+    def handlers(self, service: Any) -> dict[p.Op, Any]:
+        """Entries for ``serving.Service.handlers``; COMMIT is wrapped to verify XALLOC reservations first."""
+        plain_commit = service.handlers[p.Op.COMMIT]
+
+        def segments(conn: socket.socket, header: p.Header, request: object) -> None:
+            service._reply(conn, header.request_id, p.SegmentsReply(self.entries()).encode())
+
+        def xlocate(conn: socket.socket, header: p.Header, request: object) -> None:
+            assert isinstance(request, p.KeysRequest)
+            if header.flags & p.FLAG_PULL:
+                service.pull.pull(request.keys)
+            service.admit_hold()  # a lease counts against the connection's cap (security.md, finding 7)
+            blocks = self.store.acquire(request.keys, count=True)
+            infos: list[p.BlockInfo] = []
+            for key, block in zip(request.keys, blocks, strict=True):
+                if block is None:
+                    infos.append(service._redirect_or_miss(key))
+                    continue
+                where = "" if block.staged is not None else self.segment_of(block.tier, block.segment)
+                # where == '': not in a registered segment (an SSD block staged in plain memory): GET it
+                infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, where, block.offset))
+            # acquire() holds each block; the lease takes that hold over until RELEASE (or expiry)
+            lease_id = self.store.lease(blocks)
+            service.hold_lease(lease_id)
+            service._blocks(conn, header, infos, lease_id=lease_id)
+
+        def xalloc(conn: socket.socket, header: p.Header, request: object) -> None:
+            assert isinstance(request, p.PutRequest)
+            req = request
+            tier = "hbm" if req.tier == 1 else "dram"
+            budget = service.admit_hold()
+            slots: list[Reservation | p.Status] = []
+            with service.handoff.admitting() as refused:
+                for k, size, c in zip(req.keys, req.sizes, req.checksums, strict=True):
+                    if refused:
+                        break
+                    if budget is not None and size > budget:
+                        slots.append(p.Status.FULL)  # this connection's reservation budget, not the tier
+                        continue
+                    slot = self.store.reserve(k, size, c, tier=tier, pin_seconds=req.pin_seconds)
+                    if isinstance(slot, Reservation) and budget is not None:
+                        budget -= size
+                    slots.append(slot)
+            if refused:
+                self.store.commit([s for s in slots if isinstance(s, Reservation)], ok=False)
+                service._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
+                return
+            self.store.back(slots)
+            parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
+            rid = self.store.park(parked)
+            service.hold_reservation(rid, sum(r.size for r in parked if r is not None))
+            with self._lock:
+                self._agent_crc[rid] = bool(header.flags & p.FLAG_AGENT_CRC)
+            infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, self.segment_of(s.tier, s.segment), s.offset)
+                     if isinstance(s, Reservation) else p.BlockInfo(s) for s in slots]
+            service._blocks(conn, header, infos, lease_id=rid)
+
+        def commit(conn: socket.socket, header: p.Header, request: object) -> None:
+            assert isinstance(request, p.LeaseRequest)
+            with self._lock:
+                agent_crc = self._agent_crc.pop(request.lease_id, None)
+            if agent_crc is None or header.flags & p.FLAG_ABORT:
+                plain_commit(conn, header, request)  # ALLOC (same-node memcpy) or an abort
+                return
+            # Only the connection that reserved may commit (ids of other connections are unknown here).
+            parked = (self.store.unpark(request.lease_id) or []) if service.owns_reservation(request.lease_id) else []
+            good: list[Reservation] = []
+            bad: list[Reservation] = []
+            statuses: list[p.Status] = []
+            for res in parked:
+                if res is None:
+                    statuses.append(p.Status.MISS)
+                    continue
+                crc = self._landed_crc(res)
+                if agent_crc:
+                    res.checksum = crc
+                if crc != res.checksum:
+                    log.warning("event=block_refused key=%s reason=checksum_mismatch_after_transfer", res.key)
+                    bad.append(res)
+                    statuses.append(p.Status.CORRUPT)
+                else:
+                    good.append(res)
+                    statuses.append(p.Status.OK)
+            self.store.commit(bad, ok=False)
+            self.store.commit(good)
+            if header.flags & p.FLAG_RECORD and good:
+                service.records.send_later([r.key for r in good])
+            service._blocks(conn, header, [p.BlockInfo(s, r.size if r else 0, r.checksum if r else 0)
+                                           for s, r in zip(statuses, parked, strict=True)])
+
+        return {p.Op.SEGMENTS: segments, p.Op.XLOCATE: xlocate, p.Op.XALLOC: xalloc, p.Op.COMMIT: commit}
+
+    def _landed_crc(self, res: Reservation) -> int:
+        view = self.store.write_buffer(res)  # DRAM in place; HBM: a host buffer to copy into
+        if res.tier == "hbm" and self.store.hbm is not None:
+            self.store.hbm.read_into(res.offset, view)
+        return crc32c(view)
