@@ -133,6 +133,16 @@ class LocalAgent:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def wait_log(self, text: str, *, count: int = 1, timeout_seconds: float = 10.0) -> bool:
+        """True once ``text`` appears ``count`` times in the log: lines arrive through a reader thread, and an
+        agent often answers a request before it logs about it."""
+        deadline = time.monotonic() + timeout_seconds
+        while self.log.count(text) < count:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
 
 class NetnsPair:
     """Two network namespaces joined by a veth pair: a stand-in for two hosts on one machine.

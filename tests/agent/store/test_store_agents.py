@@ -113,7 +113,7 @@ def test_wrong_token_is_refused_and_logged(pool: dict[str, object]) -> None:
     # The agent keeps serving the right token.
     with KVPoolClient(endpoints=[agent.address], token=token(pool), namespace="ns") as c:
         assert c.batch_put(["k"], [b"v"]) == [1]
-    assert "reason=wrong_credential" in agent.log
+    assert agent.wait_log("reason=wrong_credential"), agent.log[-2000:]
 
 
 def test_malformed_frames_close_only_that_connection(pool: dict[str, object]) -> None:
@@ -147,7 +147,7 @@ def test_malformed_frames_close_only_that_connection(pool: dict[str, object]) ->
         out = bytearray(1000)
         assert c.batch_get_into(["before"], [out]) == [1000] and out == b"x" * 1000
         good.close()
-    assert agent.log.count("event=connection_closed") >= 3
+    assert agent.wait_log("event=connection_closed", count=3), agent.log[-2000:]
 
 
 def test_restart_readopts_dram_blocks(pool: dict[str, object]) -> None:
@@ -159,7 +159,7 @@ def test_restart_readopts_dram_blocks(pool: dict[str, object]) -> None:
         assert c.batch_put(keys, data) == [1] * 8
     agent.kill()  # a crash: no hand-off, no clean shutdown
     agent = start(pool, port=port)
-    assert "blocks=8" in agent.log
+    assert agent.wait_log("blocks=8"), agent.log[-2000:]
     with KVPoolClient(endpoints=[agent.address], token=token(pool), namespace="ns", transport="tcp") as c:
         out = [np.zeros(256 * 1024, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, out) == [256 * 1024] * 8
@@ -201,7 +201,7 @@ def test_corrupted_dram_block_is_a_miss_and_removed(pool: dict[str, object], tra
         out = bytearray(65536)
         assert c.batch_get_into(["c"], [out]) == [None]
         assert c.batch_exists(["c"]) == [False]  # dropped by the agent after re-verifying
-    assert "event=block_corrupt tier=dram" in agent.log
+    assert agent.wait_log("event=block_corrupt tier=dram"), agent.log[-2000:]
 
 
 def test_corrupted_ssd_block_file_is_a_miss(pool: dict[str, object]) -> None:
@@ -224,7 +224,7 @@ def test_corrupted_ssd_block_file_is_a_miss(pool: dict[str, object]) -> None:
         missing = [i for i, s in enumerate(sizes) if s is None]
         assert len(missing) == 1, sizes  # exactly the corrupted one, promoted blocks verified
         assert all(np.array_equal(out[i], data[i]) for i in range(24) if i not in missing)
-    assert "event=block_corrupt tier=ssd" in agent.log
+    assert agent.wait_log("event=block_corrupt tier=ssd"), agent.log[-2000:]
 
 
 def test_kill_an_agent_and_read_its_keys_from_replicas(pool: dict[str, object]) -> None:
@@ -303,7 +303,7 @@ def test_elastic_pool_three_two_three_keeps_every_block(pool: dict[str, object])
         time.sleep(1)
         # 3 -> 2: the leaving agent hands its blocks to their new homes, then exits.
         assert agents[2].stop() == 0
-        assert "event=handoff_done" in agents[2].log
+        assert agents[2].wait_log("event=handoff_done"), agents[2].log[-2000:]
         write(1)
         read_all()
         time.sleep(1)

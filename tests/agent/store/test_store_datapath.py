@@ -68,8 +68,8 @@ def _token(pool: dict[str, Any]) -> str:
 
 def test_puts_and_gets_move_through_the_engines_shm_transport_byte_exact(pool: dict[str, Any]) -> None:
     agent = _agent(pool)
-    assert "event=preflight transport=shm works=True" in agent.log
-    assert "event=preflight transport=tcp works=True" in agent.log
+    assert agent.wait_log("event=preflight transport=shm works=True"), agent.log[-2000:]
+    assert agent.wait_log("event=preflight transport=tcp works=True"), agent.log[-2000:]
     data = _blocks(1)
     keys = [f"k{i}" for i in range(len(data))]
     with TransferEngine(token=_token(pool)) as engine, \
@@ -117,7 +117,7 @@ def test_a_device_buffer_goes_to_the_hbm_tier_of_an_agent_process_over_the_link(
     monkeypatch.delenv("DAYBREAK_FAKE_SUNRISE_FAIL", raising=False)
     agent = _agent(pool, extra=["--hbm", "32Mi"],
                    env={"DAYBREAK_SUNRISE_LIB_DIR": str(libdir), "DAYBREAK_RUNTIME": "sunrise"})
-    assert "event=preflight transport=link works=True" in agent.log
+    assert agent.wait_log("event=preflight transport=link works=True"), agent.log[-2000:]
     rt = SunriseRuntime.load(lib_dir=str(libdir))
     try:
         sizes = [MiB, 4 * MiB + 17]

@@ -74,7 +74,7 @@ def test_puts_right_after_start_are_stored_byte_exact_while_the_tier_fills(agent
         assert c.batch_get_into(keys, out) == [MiB] * 48
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
     assert agent.wait_for("event=prefault_done", timeout_seconds=60)
-    assert "event=dram_head_backed" in agent.log
+    assert agent.wait_log("event=dram_head_backed"), agent.log[-2000:]
 
 
 def test_a_verified_same_node_batch_split_over_two_threads_never_returns_a_corrupt_block(agent: LocalAgent) -> None:
@@ -95,4 +95,4 @@ def test_a_verified_same_node_batch_split_over_two_threads_never_returns_a_corru
         sizes = c.batch_get_into(keys, out)
         assert sizes == [MiB if i not in (3, 6) else None for i in range(8)]
         assert all(np.array_equal(out[i], data[i]) for i in range(8) if i not in (3, 6))
-    assert agent.log.count("event=block_corrupt tier=dram") == 2
+    assert agent.wait_log("event=block_corrupt tier=dram", count=2) and agent.log.count("event=block_corrupt tier=dram") == 2, agent.log[-2000:]

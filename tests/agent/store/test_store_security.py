@@ -105,7 +105,7 @@ def test_namespace_credential_is_confined_to_its_namespace(pool: dict[str, objec
     conn = admin(agent, pool)
     assert [i.status for i in conn.exists(["team-a/k", "team-b/v"])] == [p.Status.OK, p.Status.OK]
     conn.close()
-    assert "event=request_refused" in agent.log
+    assert agent.wait_log("event=request_refused"), agent.log[-2000:]
 
 
 # -- finding 5: no secret on the wire, no replay ---------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_captured_handshake_cannot_be_replayed(pool: dict[str, object]) -> None:
             answers += chunk
     header = p.unpack_header(answers[-(len(answers) - _first_frame_len(answers)):][:p.HEADER_SIZE])
     assert header.op == p.Op.ERROR and b"authentication failed" in answers
-    assert "reason=wrong_credential" in agent.log
+    assert agent.wait_log("reason=wrong_credential"), agent.log[-2000:]
 
 
 def _first_frame_len(raw: bytes) -> int:
@@ -396,7 +396,7 @@ def test_keep_segments_then_orphan_reclaim(pool: dict[str, object]) -> None:
     # Nobody restarts it: another agent's start reclaims it once it is older than the bound.
     other = start(pool, dram="16Mi", extra=["--orphan-seconds", "0"])
     assert not [p_ for p_ in kept if p_.exists()], "the orphaned tier is reclaimed"
-    assert "event=orphan_reclaimed" in other.log
+    assert other.wait_log("event=orphan_reclaimed"), other.log[-2000:]
     other.stop()
 
 
