@@ -137,6 +137,12 @@ class AutoscalingSpec(ApiModel):
     """A scale-up needs the target missed for this long."""
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
     """A scale-down needs the load low for this long."""
+    max_scale_up_step: int = Field(default=4, ge=1, le=1000)
+    """Most replicas one decision adds to a role (fast scale-up)."""
+    max_scale_down_step: int = Field(default=1, ge=1, le=1000)
+    """Most replicas one decision removes from a role (slow scale-down)."""
+    tolerance: float = Field(default=0.1, ge=0, le=1)
+    """Relative dead band around the current replicas in which the estimate changes nothing (no flapping)."""
 
 
 class UpdateStrategy(ApiModel):
@@ -198,6 +204,9 @@ class RoleStatus(ApiModel):
     """Pods that are ready."""
     updated_replicas: int = 0
     """Pods running the current revision."""
+    desired_replicas: int | None = Field(default=None, ge=0)
+    """Replicas the autoscaler decided (within minReplicas..maxReplicas); the operator renders these instead of
+    spec replicas while autoscaling is enabled."""
 
 
 class LastScale(ApiModel):
@@ -213,6 +222,25 @@ class LastScale(ApiModel):
     """Replicas after."""
     reason: str
     """Why (which target was missed or how long the load was low)."""
+    numbers: dict[str, float] = Field(default_factory=dict)
+    """The planner's inputs and estimate behind the decision (arrival rate, uncached tokens, latencies, ...)."""
+
+
+class KVNamespaceRetirement(ApiModel):
+    """An old kvNamespace being (or last) retired after a rollout changed status.kvNamespace."""
+
+    kv_namespace: str
+    """The namespace no engine of this deployment uses any more."""
+    policy: CachePolicy
+    """updateStrategy.cache when the change was seen."""
+    since: AwareDatetime | None = None
+    """When the new namespace started rolling out."""
+    retired_at: AwareDatetime | None = None
+    """When the last engine of the old namespace was rolled away."""
+    bytes_freed: int | None = Field(default=None, ge=0)
+    """Bytes of the old namespace deleted from the pool (flush only; unset when not flushed)."""
+    message: str = ""
+    """What happened to the old blocks."""
 
 
 class PDDeploymentStatus(ApiModel):
@@ -234,6 +262,10 @@ class PDDeploymentStatus(ApiModel):
     """Hash of the pod template currently rolled out."""
     last_scale: LastScale | None = None
     """The most recent autoscaling decision."""
+    retiring_kv_namespace: KVNamespaceRetirement | None = None
+    """The previous kvNamespace while a rollout replaces it (decode waits for prefill to roll first)."""
+    retired_kv_namespace: KVNamespaceRetirement | None = None
+    """The most recently retired kvNamespace and what was done with its blocks."""
 
 
 class PDDeployment(CustomResource):

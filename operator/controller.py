@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, NewType
 
 import kopf
@@ -32,6 +34,7 @@ from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator import pool as pool_mod
+from daybreak.operator.autoscaler import Autoscaler, last_scale
 from daybreak.operator.children import MANAGED_BY, MANAGER, Applier, NotLeader
 from daybreak.operator.conditions import FALSE, TRUE, Condition, merge
 from daybreak.operator.events import WARNING, EventRecorder
@@ -50,6 +53,7 @@ from daybreak.operator.kube import (
     KubeError,
     Manifest,
 )
+from daybreak.operator.planner import Decision
 from daybreak.operator.policy import PolicyError, pool_violations
 from daybreak.operator.settings import OperatorSettings
 
@@ -99,6 +103,10 @@ class Controller:
         # Subjects of the shared agent ClusterRoleBinding known to be there; one writer at a time.
         self.bound_agents: set[tuple[str, str]] = set()
         self._binding_lock = asyncio.Lock()
+        # Planner decisions waiting for the object's next reconcile (which writes status and applies them).
+        self.pending_scales: dict[tuple[str, str], dict[str, Decision]] = {}
+        self.holding: set[Key] = set()  # deployments whose decode waits for prefill's rollout
+        self.autoscaler = Autoscaler(self)
         self._tasks: list[asyncio.Task[Any]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -111,6 +119,7 @@ class Controller:
             self._tasks.append(asyncio.create_task(self._worker(), name=f"daybreak worker {i}"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="daybreak resync"))
         self._tasks.append(asyncio.create_task(self.events.run(), name="daybreak events"))
+        self._tasks.append(asyncio.create_task(self.autoscaler.run(), name="daybreak planner"))
 
     async def stop(self) -> None:
         if self.queue is not None:
@@ -476,6 +485,40 @@ class Controller:
         await self._edit_agent_binding(lambda old: [s for s in old if keep(s)])
 
     # -- PDDeployment ------------------------------------------------------------------------------
+    def submit_scale(self, ns: str, name: str, decisions: list[Decision]) -> None:
+        """Hand planner decisions to the object's reconcile (one worker per key: no status write races)."""
+        pending = self.pending_scales.setdefault((ns, name), {})
+        for d in decisions:
+            pending[d.role] = d
+        key: Key = (PDD, ns, name)
+        self.needs_apply.add(key)
+        self.queue.add(key)
+
+    def _with_scale(self, ns: str, name: str, body: Manifest) -> Manifest:
+        """The body as the planner wants it: pending decisions (and, after a status loss, the live replicas)
+        written into status.<role>.desiredReplicas, with status.lastScale and an Event per decision."""
+        spec = body.get("spec") or {}
+        pending = self.pending_scales.pop((ns, name), {})
+        if not (spec.get("autoscaling") or {}).get("enabled"):
+            return body
+        body = copy.deepcopy(body)
+        status = body.setdefault("status", {})
+        names = pdd_mod.DeploymentNames(name)
+        for role in pdd_mod.ENGINE_ROLES:
+            role_status = status.setdefault(role.value, {})
+            decision = pending.get(role.value)
+            if decision is not None:
+                role_status["desiredReplicas"] = decision.desired
+                status["lastScale"] = last_scale(decision, when=datetime.now(UTC).replace(microsecond=0))
+                self.events.record(body, reason="Autoscaled",
+                                   message=f"{role.value} {decision.current} -> {decision.desired}: {decision.reason}")
+            elif role_status.get("desiredReplicas") is None:
+                # Status lost or autoscaling just enabled: keep what runs rather than jump back to spec replicas.
+                live = self.children.get(("Deployment", ns, names.role(role)))
+                if live is not None and (live.get("spec") or {}).get("replicas") is not None:
+                    role_status["desiredReplicas"] = int(live["spec"]["replicas"])
+        return body
+
     async def reconcile_pdd(self, ns: str, name: str, *, full: bool) -> str:
         key: Key = (PDD, ns, name)
         body = self.pdds.get((ns, name))
@@ -484,6 +527,8 @@ class Controller:
         if body is None:
             self.applied.discard(key)
             return "gone"
+        stored = body  # what the API holds: status writes compare against it, not the planner's edit
+        body = self._with_scale(ns, name, body)
         try:
             pdd = PDDeployment.from_body(body)
         except ValidationError as exc:
@@ -506,7 +551,7 @@ class Controller:
             if was.get("reason") != "PoolNotFound":
                 self.events.record(body, reason="PoolNotFound", type=WARNING,
                                    message=f"KVPool {pool_name!r} not found in namespace {ns!r}; waiting for it")
-            await self._write_status(key, PDDEPLOYMENT, body, status)
+            await self._write_status(key, PDDEPLOYMENT, stored, status)
             self.needs_apply.add(key)  # apply everything once the pool shows up
             return "waiting"
         try:
@@ -516,13 +561,17 @@ class Controller:
         names = pdd_mod.DeploymentNames(name)
         roles = (*pdd_mod.ENGINE_ROLES, Role.ROUTER)
         rev = old_status.get("revision")
+        live = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+        hold = pdd_mod.rollout_holds(pdd, live)
+        if not hold and key in self.holding:
+            full = True  # prefill finished rolling to the new namespace: decode may follow now
         if full:
             try:
-                desired = pdd_mod.build(pdd, pool, image=self.settings.image)
+                desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
             except PolicyError as exc:
                 await self._refuse(key, PDDEPLOYMENT, body, exc)
                 return "refused"
-            before = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
+            before = live
             # The pods' ServiceAccount first: a pod naming a missing one is refused at admission.
             await self.applier.apply_all(body, [(m, pdd_mod.access_labels(pdd)) for m in desired.access])
             results = await self.applier.apply_all(
@@ -540,10 +589,47 @@ class Controller:
         workloads = {r: self.children.get(("Deployment", ns, names.role(r))) for r in roles}
         if not pdd.spec.router.enabled:
             workloads[Role.ROUTER] = None
+        if hold:
+            self.holding.add(key)
+        else:
+            self.holding.discard(key)
         status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
-                                generation=generation)
-        await self._write_status(key, PDDEPLOYMENT, body, status)
+                                generation=generation, held=tuple(hold))
+        self._retire_namespace(body, pdd, old_status, status, workloads)
+        await self._write_status(key, PDDEPLOYMENT, stored, status)
         return "success"
+
+    def _retire_namespace(self, body: Manifest, pdd: PDDeployment, old: dict[str, Any], status: dict[str, Any],
+                          workloads: dict[Role, Manifest | None]) -> None:
+        """Track the previous kvNamespace through a rollout; once no engine uses it, retire it per
+        updateStrategy.cache (and say so in status and an Event)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        new_ns = pdd.spec.kv_namespace()
+        policy = pdd.spec.update_strategy.cache.value
+        was = old.get("kvNamespace")
+        retiring = old.get("retiringKVNamespace")
+        if was and was != new_ns:
+            if retiring and retiring.get("kvNamespace") != new_ns:
+                self.events.record(body, reason="KVNamespaceSuperseded",
+                                   message=f"kvNamespace {retiring.get('kvNamespace')} replaced again before its "
+                                           f"rollout finished; retiring {was} as well when {new_ns} is rolled out")
+            status["retiringKVNamespace"] = {"kvNamespace": was, "policy": policy, "since": now}
+            self.events.record(body, reason="KVNamespaceChanged",
+                               message=f"kvNamespace {was} -> {new_ns}: prefill rolls first, decode follows; "
+                                       f"each engine reads only its own namespace's blocks")
+            return
+        if not retiring or not pdd_mod.rolled_out(pdd, workloads):
+            return
+        old_ns = str(retiring.get("kvNamespace"))
+        if policy == "flush":
+            message = (f"flush of {old_ns} requested, but the agents have no namespace-wide delete yet: its blocks "
+                       "age out under the pool's watermarks like preserve")
+            self.events.record(body, reason="KVNamespaceFlushUnavailable", message=message, type=WARNING)
+        else:
+            message = f"{old_ns} retired; its blocks stay until the pool's watermarks evict them"
+            self.events.record(body, reason="KVNamespaceRetired", message=message)
+        status["retiredKVNamespace"] = {**retiring, "policy": policy, "retiredAt": now, "message": message}
+        status["retiringKVNamespace"] = None
 
     async def _remove_router(self, ns: str, names: tuple[str, str]) -> None:
         deployment, service = names
@@ -566,7 +652,7 @@ class Controller:
             if prev is None:
                 continue
             was = int((prev.get("spec") or {}).get("replicas") or 0)
-            now = pdd.spec.router.replicas if role == Role.ROUTER else getattr(pdd.spec, role.value).replicas
+            now = pdd.spec.router.replicas if role == Role.ROUTER else pdd_mod.role_replicas(pdd, role)
             if role == Role.ROUTER and not pdd.spec.router.enabled:
                 continue
             if was != now:

@@ -199,7 +199,8 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
     template: dict[str, Any] = {
-        "metadata": {"labels": labels_for(pdd, role),
+        # The namespace label lets a router (or kubectl -L) tell the two generations of a rollout apart.
+        "metadata": {"labels": {**labels_for(pdd, role), KV_NAMESPACE_ANNOTATION: spec.kv_namespace()},
                      "annotations": {KV_NAMESPACE_ANNOTATION: spec.kv_namespace()}},
         "spec": pod_spec,
     }
@@ -236,6 +237,50 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
             "readinessProbe": copy.deepcopy(HEALTH_PROBE),
         }]},
     }
+
+
+def role_replicas(pdd: PDDeployment, role: Role) -> int:
+    """Replicas rendered for an engine role: the planner's decision (status.<role>.desiredReplicas, clamped to the
+    bounds) while autoscaling is enabled, else spec.<role>.replicas. The spec stays the user's; see
+    docs/operations.md for why the planner does not patch it."""
+    role_spec: RoleSpec = getattr(pdd.spec, role.value)
+    if pdd.spec.autoscaling.enabled:
+        decided = getattr(pdd.status, role.value).desired_replicas
+        if decided is not None:
+            low, high = role_spec.bounds
+            return min(max(decided, low), high)
+    return role_spec.replicas
+
+
+def template_namespace(workload: Manifest | None) -> str | None:
+    """The kvNamespace a live Deployment's pod template carries (None: no such Deployment yet)."""
+    template = ((workload or {}).get("spec") or {}).get("template") or {}
+    return ((template.get("metadata") or {}).get("annotations") or {}).get(KV_NAMESPACE_ANNOTATION)
+
+
+def rollout_holds(pdd: PDDeployment, live: dict[Role, Manifest | None]) -> dict[Role, Manifest]:
+    """Pod templates to keep as they run now: on a kvNamespace change decode keeps its old template until
+    prefill has rolled out completely to the new namespace, so old prefill never feeds new decode.
+
+    A change that keeps the namespace (image, args, resources) holds nothing: both roles roll at once with
+    maxSurge/maxUnavailable, since any old/new pairing reads the same bytes.
+    """
+    new = pdd.spec.kv_namespace()
+    decode = live.get(Role.DECODE)
+    running = template_namespace(decode)
+    if decode is None or running is None or running == new:
+        return {}
+    prefill = live.get(Role.PREFILL)
+    if template_namespace(prefill) == new and not _rolling(prefill, role_replicas(pdd, Role.PREFILL)):
+        return {}
+    return {Role.DECODE: copy.deepcopy(decode["spec"]["template"])}
+
+
+def rolled_out(pdd: PDDeployment, live: dict[Role, Manifest | None]) -> bool:
+    """Every engine role runs only the current kvNamespace's template and is fully available."""
+    new = pdd.spec.kv_namespace()
+    return all(template_namespace(live.get(r)) == new and not _rolling(live.get(r), role_replicas(pdd, r))
+               for r in ENGINE_ROLES)
 
 
 def serving_access(pdd: PDDeployment) -> list[Manifest]:
@@ -305,8 +350,11 @@ def _service(pdd: PDDeployment, role: Role, name: str, *, headless: bool) -> Man
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
 
 
-def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
-    """The desired children; raises PolicyError when a role's template asks for host access (docs/security.md)."""
+def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manifest] | None = None) -> DeploymentChildren:
+    """Every child; ``hold`` maps a role to the live pod template it keeps for now (see ``rollout_holds``).
+
+    Raises PolicyError when a role's template asks for host access (docs/security.md).
+    """
     names = DeploymentNames(pdd.metadata.name or "")
     templates = {role: pod_template(pdd, pool, role, image=image) for role in ENGINE_ROLES}
     violations = [v for role in ENGINE_ROLES
@@ -318,8 +366,9 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str) -> DeploymentChildren:
     for role in ENGINE_ROLES:
         template = templates[role]
         template["metadata"].setdefault("annotations", {})[REVISION_ANNOTATION] = rev
-        role_spec: RoleSpec = getattr(pdd.spec, role.value)
-        applied.append((role, _workload(pdd, role, names.role(role), role_spec.replicas, template)))
+        if hold and role in hold:
+            template = hold[role]
+        applied.append((role, _workload(pdd, role, names.role(role), role_replicas(pdd, role), template)))
         applied.append((role, _service(pdd, role, names.role(role), headless=True)))
     router_deploy = names.role(Role.ROUTER)
     if pdd.spec.router.enabled:
@@ -359,12 +408,14 @@ def _failure(workload: Manifest | None) -> str | None:
 
 
 def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Manifest | None],
-           revision: str | None, existing: dict[str, Any] | None, generation: int | None) -> dict[str, Any]:
-    """The PDDeployment's status; ``pool`` None means the referenced pool does not exist."""
+           revision: str | None, existing: dict[str, Any] | None, generation: int | None,
+           held: tuple[Role, ...] = ()) -> dict[str, Any]:
+    """The PDDeployment's status; ``pool`` None means the referenced pool does not exist; ``held`` roles wait
+    for another role's rollout (a kvNamespace change)."""
     old = existing or {}
     spec = pdd.spec
     roles = {role: role_status(workloads.get(role)) for role in (*ENGINE_ROLES, Role.ROUTER)}
-    desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas,
+    desired = {Role.PREFILL: role_replicas(pdd, Role.PREFILL), Role.DECODE: role_replicas(pdd, Role.DECODE),
                Role.ROUTER: spec.router.replicas if spec.router.enabled else 0}
     active = [r for r in (*ENGINE_ROLES, Role.ROUTER) if r != Role.ROUTER or spec.router.enabled]
     conds: list[cond.Condition] = []
@@ -386,6 +437,7 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
             conds.append(cond.Condition(type="Ready", status=cond.TRUE, reason="AllReplicasReady",
                                         message=", ".join(f"{r.value} {desired[r]}" for r in active) + " ready"))
         rolling = [r.value for r in active if _rolling(workloads.get(r), desired[r])]
+        rolling += [f"{r.value} (waits for prefill to roll to kvNamespace {spec.kv_namespace()})" for r in held]
         if rolling:
             conds.append(cond.Condition(type="Progressing", status=cond.TRUE, reason="RollingOut",
                                         message=f"revision {revision} rolling out: {', '.join(rolling)}"))
@@ -415,6 +467,12 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
         "router": roles[Role.ROUTER],
         "kvNamespace": spec.kv_namespace(),
     }
+    for role in ENGINE_ROLES:
+        decided = (old.get(role.value) or {}).get("desiredReplicas")
+        if spec.autoscaling.enabled and decided is not None:
+            result[role.value]["desiredReplicas"] = role_replicas(pdd, role)
+        elif decided is not None:
+            result[role.value]["desiredReplicas"] = None  # merge patch: autoscaling is off, forget the decision
     rev = revision if revision is not None else old.get("revision")
     if rev is not None:
         result["revision"] = rev

@@ -76,6 +76,33 @@ SCALE_EVENTS = Counter(
     ["namespace", "deployment", "role", "direction"], registry=REGISTRY,
 )
 
+PLANNER_INPUT = Gauge(
+    "daybreak_planner_input",
+    "The planner's inputs and estimates per role, by name (arrival_rate, uncached_tokens, ttft_p90_s, "
+    "itl_mean_s, tokens_per_s, pods, ...), as of its last interval.",
+    ["namespace", "deployment", "role", "input"], registry=REGISTRY,
+)
+PLANNER_REPLICAS = Gauge(
+    "daybreak_planner_replicas",
+    "Replicas per role as the planner saw and decided them (kind: current, recommended, desired).",
+    ["namespace", "deployment", "role", "kind"], registry=REGISTRY,
+)
+PLANNER_DECISIONS = Counter(
+    "daybreak_planner_scale_decisions_total",
+    "Replica changes the planner made, by role and direction (up, down).",
+    ["namespace", "deployment", "role", "direction"], registry=REGISTRY,
+)
+PLANNER_SCRAPE_FAILURES = Counter(
+    "daybreak_planner_scrape_failures_total",
+    "Engine pods whose /metrics could not be read in an interval (they count as silent, not idle).",
+    ["namespace", "deployment", "role"], registry=REGISTRY,
+)
+CACHE_FLUSHED_BYTES = Counter(
+    "daybreak_operator_cache_flushed_bytes_total",
+    "Bytes of retired kvNamespaces deleted from the pool (updateStrategy.cache: flush).",
+    ["namespace", "deployment"], registry=REGISTRY,
+)
+
 
 def serve(port: int, *, address: str = "0.0.0.0") -> None:
     """Serve the registry on ``address:port`` from a daemon thread; port 0 disables it."""

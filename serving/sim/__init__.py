@@ -6,8 +6,9 @@ pod env works unchanged (``DAYBREAK_ROLE``, ``DAYBREAK_POOL_ENDPOINTS``,
 ``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_MODEL``, ``POD_IP``); they are gathered
 in one ``Settings`` object, printed at start-up. See docs/serving.md.
 
-SIGTERM drains: ``/health`` turns 503 at once, accepted requests finish, then
-the process exits 0. A second SIGTERM, or ``--drain-seconds`` passing, exits
+SIGTERM drains: ``/health`` turns 503 at once, accepted requests finish, the
+engine-local blocks the pool does not hold are written to it (hottest first,
+within the drain budget), then the process exits 0. A second SIGTERM, or ``--drain-seconds`` passing, exits
 at once with 1.
 """
 
@@ -300,6 +301,7 @@ async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = Non
             on_ready()
         await stop.wait()
     server.draining = True
+    drain_started = loop.time()
     drained = asyncio.ensure_future(server.wait_idle())
     forced_wait = asyncio.ensure_future(forced.wait())
     done, _ = await asyncio.wait({drained, forced_wait}, timeout=settings.drain_seconds,
@@ -312,6 +314,11 @@ async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = Non
                     "second_signal" if forced_wait in done else "timeout")
     drained.cancel()
     forced_wait.cancel()
+    if not forced.is_set():
+        # Hand the engine-local blocks the pool lacks to the pool, so a scale-in loses no cache (within
+        # what is left of the drain budget, itself inside the pod's termination grace period).
+        blocks, sent = await engine.hand_off(seconds=settings.drain_seconds - (loop.time() - drain_started))
+        log.info("event=handoff blocks=%d bytes=%d left=%d", blocks, sent, engine.cache.local_only)
     await runner.cleanup()
     await engine.stop()
     if pool is not None:

@@ -177,6 +177,9 @@ class EngineMetrics:
     def pool_error(self) -> None:
         """A pool call failed (the request went on as if the pool were empty)."""
 
+    def local_only(self, blocks: int) -> None:
+        """Engine-local cached blocks the pool is not known to hold (the planner's scale-in cost)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -312,6 +315,13 @@ class Engine:
             def prefilled() -> None:
                 nonlocal write_task
                 self.cache.insert(keys)
+                if self.pool is not None:
+                    self.cache.mark_pooled(keys[lookup.local:lookup.local + lookup.pool_hits])
+                    if self.config.role == Role.DECODE:
+                        self.cache.mark_unpooled(keys[lookup.local + lookup.pool_hits:])  # computed, not written
+                    else:
+                        self.cache.mark_unpooled([keys[i] for i in lookup.write])  # until the write lands
+                    self.metrics.local_only(self.cache.local_only)
                 if lookup.write and self.pool is not None:
                     write_task = asyncio.get_running_loop().create_task(
                         self._write([keys[i] for i in lookup.write], usage), name=f"sim-write-{seq.rid}")
@@ -380,12 +390,52 @@ class Engine:
     async def _write(self, keys: list[str], usage: Usage) -> None:
         assert self.pool is not None
         try:
-            _stored, sent = await self.pool.write(keys)
+            stored, sent = await self.pool.write(keys)
         except (KVPoolError, OSError) as exc:
             log.warning("event=pool_error op=write blocks=%d error=%s", len(keys), exc)
             self.metrics.pool_error()
             return
         usage.bytes_written += sent
+        if stored == len(keys):
+            self.cache.mark_pooled(keys)
+            self.metrics.local_only(self.cache.local_only)
+
+    async def hand_off(self, *, seconds: float, chunk_blocks: int = 64) -> tuple[int, int]:
+        """Before exit: write the engine-local blocks the pool lacks, hottest first, within ``seconds``.
+
+        Returns (blocks written, bytes sent). What does not fit in the time is lost, coldest first.
+        """
+        pool = self.pool
+        keys = self.cache.unpooled()
+        if pool is None or not keys or seconds <= 0:
+            return 0, 0
+        deadline = self._clock() + seconds
+        written = sent = 0
+
+        async def run() -> None:
+            nonlocal written, sent
+            for start in range(0, len(keys), chunk_blocks):
+                chunk = keys[start:start + chunk_blocks]
+                present = await pool.exists(chunk)
+                missing = [k for k, ok in zip(chunk, present, strict=True) if not ok]
+                self.cache.mark_pooled([k for k, ok in zip(chunk, present, strict=True) if ok])
+                if missing:
+                    stored, nbytes = await pool.write(missing)
+                    written += stored
+                    sent += nbytes
+                    if stored == len(missing):
+                        self.cache.mark_pooled(missing)
+                if self._clock() >= deadline:
+                    return
+
+        try:
+            await asyncio.wait_for(run(), timeout=max(deadline - self._clock(), 0.001))
+        except TimeoutError:
+            log.warning("event=handoff_incomplete written=%d of=%d reason=timeout", written, len(keys))
+        except (KVPoolError, OSError) as exc:
+            log.warning("event=handoff_failed written=%d of=%d error=%s", written, len(keys), exc)
+        self.metrics.local_only(self.cache.local_only)
+        return written, sent
 
     def _abort(self, handle: Handle) -> None:
         seq = handle.seq

@@ -59,6 +59,9 @@ class LocalCache:
             raise ValueError(f"local cache capacity must be >= 0 blocks, got {capacity_blocks}")
         self.capacity = capacity_blocks
         self._keys: OrderedDict[str, None] = OrderedDict()
+        # Cached blocks the pool is not known to hold (computed by a decode engine, or a failed write):
+        # the cache value a scale-in would lose, and what a draining engine hands to the pool.
+        self._unpooled: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -83,7 +86,25 @@ class LocalCache:
             self._keys[key] = None
             self._keys.move_to_end(key)
         while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+            evicted, _ = self._keys.popitem(last=False)
+            self._unpooled.discard(evicted)
+
+    def mark_unpooled(self, keys: Sequence[str]) -> None:
+        """These cached keys are not (known to be) in the pool."""
+        self._unpooled.update(k for k in keys if k in self._keys)
+
+    def mark_pooled(self, keys: Sequence[str]) -> None:
+        """These keys are in the pool now."""
+        self._unpooled.difference_update(keys)
+
+    @property
+    def local_only(self) -> int:
+        """Cached blocks the pool is not known to hold."""
+        return len(self._unpooled)
+
+    def unpooled(self) -> list[str]:
+        """The cached keys the pool is not known to hold, most recently used first (hottest first)."""
+        return [k for k in reversed(self._keys) if k in self._unpooled]
 
 
 @dataclass

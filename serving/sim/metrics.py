@@ -10,7 +10,8 @@ tokens: the engine-local cache, vLLM's GPU prefix cache) and
 in the pool, vLLM's KV-connector cache). Daybreak's own:
 ``daybreak_engine_pool_hits_total`` / ``_misses_total`` (blocks),
 ``daybreak_engine_kv_bytes_total{direction}``, ``daybreak_engine_blocks_checked_total``,
-``daybreak_engine_blocks_corrupt_total``, ``daybreak_engine_prompt_tokens_by_source_total{source}``.
+``daybreak_engine_blocks_corrupt_total``, ``daybreak_engine_prompt_tokens_by_source_total{source}``,
+``daybreak_engine_local_only_blocks`` (gauge: engine-local blocks the pool is not known to hold).
 
 One ``CollectorRegistry`` per engine, so tests can run several in one process.
 """
@@ -91,6 +92,9 @@ class PromMetrics(EngineMetrics):
         self.tokens_computed = by_source.labels(model_name, "computed")
         self.pool_errors = Counter("daybreak_engine_pool_errors", "Pool calls that failed (served without the pool).",
                                    label, registry=r).labels(model_name)
+        self.local_only_blocks = Gauge("daybreak_engine_local_only_blocks",
+                                       "Engine-local cached blocks the pool is not known to hold (lost on scale-in "
+                                       "unless handed off).", label, registry=r).labels(model_name)
         self.steps = Histogram("daybreak_engine_step_seconds", "Modelled duration of scheduler steps.",
                                label, buckets=_STEP, registry=r).labels(model_name)
 
@@ -128,6 +132,9 @@ class PromMetrics(EngineMetrics):
 
     def pool_error(self) -> None:
         self.pool_errors.inc()
+
+    def local_only(self, blocks: int) -> None:
+        self.local_only_blocks.set(blocks)
 
     def served(self, *, ttft: float | None, itls: list[float], e2e: float) -> None:
         """Latencies measured on the served response (the server calls this when a request ends)."""

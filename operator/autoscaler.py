@@ -1,0 +1,176 @@
+"""The planner's loop in the operator: every intervalSeconds per autoscaled PDDeployment, scrape, decide, hand over.
+
+Runs inside one leadership term (the Controller owns it, so a standby never
+plans). It only reads (pods, their /metrics) and annotates pods with their
+deletion cost; the replica change itself goes through the controller's work
+queue (``Controller.submit_scale``), so the decision, status.lastScale and the
+Deployment apply happen in one reconcile of that object and never race another
+worker. Every write checks the leader fence first.
+
+ORDER ON SCALE-IN: the deletion costs are written before the lower replica
+count is handed over, so the ReplicaSet controller already knows which pod
+is the cheapest to lose when it picks the victim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from daybreak.api.pddeployment import LastScale, PDDeployment, Role
+from daybreak.operator import deployment as pdd_mod
+from daybreak.operator import metrics
+from daybreak.operator.kube import POD, KubeError, Manifest
+from daybreak.operator.metrics_scrape import pod_is_live, scrape, scrape_target
+from daybreak.operator.planner import Decision, RolePlanner, Targets, deletion_costs
+
+if TYPE_CHECKING:
+    from daybreak.operator.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+TICK_SECONDS = 0.5  # how often due deployments are looked for (intervals are whole seconds)
+MAX_SCRAPE_TIMEOUT = 2.0
+
+
+def targets_of(pdd: PDDeployment) -> Targets:
+    a = pdd.spec.autoscaling
+    return Targets(ttft_seconds=a.ttft_seconds, itl_seconds=a.itl_seconds, interval_seconds=float(a.interval_seconds),
+                   scale_up_stabilization_seconds=float(a.scale_up_stabilization_seconds),
+                   scale_down_stabilization_seconds=float(a.scale_down_stabilization_seconds),
+                   max_scale_up_step=a.max_scale_up_step, max_scale_down_step=a.max_scale_down_step,
+                   tolerance=a.tolerance)
+
+
+class Autoscaler:
+    """Planner state per (namespace, deployment, role) and the loop that feeds it."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.planners: dict[tuple[str, str, str], RolePlanner] = {}
+        self.due: dict[tuple[str, str], float] = {}
+        self.running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        self._session = aiohttp.ClientSession()
+        try:
+            while True:
+                await asyncio.sleep(TICK_SECONDS)
+                self._tick(time.monotonic())
+        finally:
+            for task in self.running.values():
+                task.cancel()
+            await asyncio.gather(*self.running.values(), return_exceptions=True)
+            await self._session.close()
+
+    def _tick(self, now: float) -> None:
+        live = set()
+        for (ns, name), body in list(self.controller.pdds.items()):
+            auto = ((body.get("spec") or {}).get("autoscaling") or {})
+            if not auto.get("enabled"):
+                continue
+            key = (ns, name)
+            live.add(key)
+            if now < self.due.get(key, 0.0) or not self.running.get(key, _DONE).done():
+                continue
+            self.due[key] = now + float(auto.get("intervalSeconds") or 15)
+            self.running[key] = asyncio.create_task(self._plan_safely(ns, name, body), name=f"planner {ns}/{name}")
+        for gone in [k for k in self.due if k not in live]:  # deleted or autoscaling turned off: forget it
+            self.due.pop(gone, None)
+            self.running.pop(gone, None)
+            for role in pdd_mod.ENGINE_ROLES:
+                self.planners.pop((*gone, role.value), None)
+
+    async def _plan_safely(self, ns: str, name: str, body: Manifest) -> None:
+        try:
+            await self.plan(ns, name, body)
+        except KubeError as exc:
+            logger.warning("planner interval failed namespace=%s name=%s status=%s error=%s", ns, name, exc.status,
+                           exc.message or exc.reason)
+        except Exception:  # a bug must not end the loop for every other deployment
+            logger.exception("planner interval crashed namespace=%s name=%s", ns, name)
+
+    async def plan(self, ns: str, name: str, body: Manifest) -> list[Decision]:
+        """One interval for one deployment: scrape both roles, decide, annotate victims, hand changes over."""
+        try:
+            pdd = PDDeployment.from_body(body)
+        except ValidationError:
+            return []  # the reconcile reports invalid specs
+        targets = targets_of(pdd)
+        timeout = min(MAX_SCRAPE_TIMEOUT, targets.interval_seconds / 2)
+        assert self._session is not None
+        decisions = []
+        for role in pdd_mod.ENGINE_ROLES:
+            selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
+            pods = [p for p in await self.controller.client.list(POD, namespace=ns, label_selector=selector)
+                    if pod_is_live(p)]
+            names = [str(p["metadata"]["name"]) for p in pods]
+            wanted = [t for p in pods if (t := scrape_target(p, port=pdd_mod.ENGINE_PORT)) is not None]
+            samples = await scrape(self._session, wanted, deadline_seconds=timeout)
+            failed = len(names) - len(samples)
+            if failed:
+                metrics.PLANNER_SCRAPE_FAILURES.labels(namespace=ns, deployment=name, role=role.value).inc(failed)
+            planner = self.planners.setdefault((ns, name, role.value), RolePlanner(role.value))
+            current = pdd_mod.role_replicas(pdd, role)
+            decision = planner.step(now=time.monotonic(), pods=names, samples=samples, current=current,
+                                    bounds=getattr(pdd.spec, role.value).bounds, targets=targets)
+            self._export(ns, name, decision)
+            logger.debug("planner namespace=%s name=%s role=%s current=%d desired=%d reason=%r", ns, name,
+                         role.value, decision.current, decision.desired, decision.reason)
+            if decision.changed:
+                if decision.desired < decision.current:
+                    await self._mark_victims(ns, pods, samples=planner.samples)
+                decisions.append(decision)
+        if decisions:
+            self.controller.submit_scale(ns, name, decisions)
+        return decisions
+
+    def _export(self, ns: str, name: str, d: Decision) -> None:
+        for key, value in d.numbers.items():
+            metrics.PLANNER_INPUT.labels(namespace=ns, deployment=name, role=d.role, input=key).set(value)
+        replicas = metrics.PLANNER_REPLICAS
+        replicas.labels(namespace=ns, deployment=name, role=d.role, kind="current").set(d.current)
+        replicas.labels(namespace=ns, deployment=name, role=d.role, kind="desired").set(d.desired)
+        if "recommended" in d.numbers:
+            replicas.labels(namespace=ns, deployment=name, role=d.role, kind="recommended").set(d.numbers["recommended"])
+        if d.changed:
+            direction = "up" if d.desired > d.current else "down"
+            metrics.PLANNER_DECISIONS.labels(namespace=ns, deployment=name, role=d.role, direction=direction).inc()
+
+    async def _mark_victims(self, ns: str, pods: list[Manifest], *, samples: Any) -> None:
+        """Set every pod's deletion cost from its last sample: the ReplicaSet deletes the lowest first."""
+        costs = deletion_costs(samples, [str(p["metadata"]["name"]) for p in pods])
+        for pod in pods:
+            pod_name = str(pod["metadata"]["name"])
+            value = str(costs[pod_name])
+            if ((pod["metadata"].get("annotations") or {}).get(DELETION_COST)) == value:
+                continue
+            self.controller.applier.check_leader()
+            with contextlib.suppress(KubeError):  # a pod that vanished meanwhile needs no cost
+                await self.controller.client.patch_merge(
+                    POD, pod_name, {"metadata": {"annotations": {DELETION_COST: value}}}, namespace=ns)
+        logger.info("scale-in victims ranked namespace=%s costs=%s", ns, costs)
+
+
+class _Done:
+    def done(self) -> bool:
+        return True
+
+
+_DONE: Any = _Done()
+
+
+def last_scale(decision: Decision, *, when: datetime) -> dict[str, Any]:
+    """status.lastScale for a decision, through the API model (wire names; numbers rounded: status is for people)."""
+    return LastScale(time=when, role=Role(decision.role), from_replicas=decision.current, to_replicas=decision.desired,
+                     reason=decision.reason[:1024],
+                     numbers={k: round(v, 6) for k, v in decision.numbers.items()}).to_dict()

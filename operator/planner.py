@@ -1,0 +1,585 @@
+"""The SLA planner: how many prefill and decode pods a PDDeployment needs, from its engines' metrics.
+
+Pure model plus a small stateful stabiliser; no I/O (``metrics_scrape`` reads
+the pods, the controller writes the decision). Inputs are the metrics every
+engine exposes under vLLM's names, so the same planner drives the sim engine
+and vLLM:
+
+- prefill is sized for time to first token: arrival rate (first tokens per
+  second, from the TTFT histogram's count) x uncached prompt tokens per request
+  (prompt tokens minus prefix-cache hits, engine-local and through the KV
+  connector, i.e. the pool) is the work offered; a pod's prefill
+  throughput is learned from the intervals in which it was busy (see
+  ``PrefillLearning``). Per pod the model is a single queue: one request alone takes
+  S = uncached / throughput, and TTFT ~ S / (1 - utilisation), so meeting the
+  target T allows utilisation 1 - S/T.
+- decode is sized for inter-token latency: ITL grows with the batch
+  (ITL = a + c x batch, fitted over the recent (batch, ITL) points of every
+  pod); the largest batch within the target is (T - a) / c, and the
+  concurrency in flight (running + waiting) divided by it is the pods needed.
+
+Before a pod's throughput is learned, or the ITL line can be fitted, the
+planner falls back to the latency ratio (observed / target) so it still scales
+up. The stabiliser then turns the estimate into replicas: a relative dead band
+(no flapping on steady load), the lowest recommendation of the scale-up window
+(a spike must last), the highest of the scale-down window (the load must stay
+low the whole window, and the planner must have watched that long), a maximum
+step each way and the role's bounds. A pod without metrics (new, or its scrape
+failed) is never taken for idle: while one exists the role does not scale in.
+
+COUNTERS ARE DELTAS: every rate comes from two samples of the same pod; a
+counter that went down means the engine restarted, and that pod has no window
+until its next sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# vLLM's metric names (counters also exposed with the _total suffix by prometheus_client).
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+ITL_OLD = "vllm:time_per_output_token_seconds"  # vLLM before 0.10 names ITL this way
+E2E = "vllm:e2e_request_latency_seconds"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+CACHE_QUERIES = "vllm:prefix_cache_queries"
+CACHE_HITS = "vllm:prefix_cache_hits"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"  # tokens found through the KV connector (the pool)
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# Engine-local cache value the pool does not hold (sim engine; absent on vLLM, then kv usage stands in).
+LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
+
+BUSY_RUNNING = 0.5  # mean running requests from which Little's law is trusted for a prefill pod's throughput
+MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loose the target
+LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions are still made every interval)
+THROUGHPUT_DECAY = 0.98  # per interval: a learned prefill throughput fades slowly (the engine may have changed)
+FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
+MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
+
+
+# -- samples ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative Prometheus histogram summed over label sets: (upper bound, count) pairs, sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+    def minus(self, older: Histogram) -> Histogram | None:
+        """The observations between ``older`` and this one; None when the counter went backwards (restart)."""
+        if self.count < older.count or self.sum < older.sum - 1e-9:
+            return None
+        old = dict(older.buckets)
+        return Histogram(tuple((le, c - old.get(le, 0.0)) for le, c in self.buckets),
+                         self.sum - older.sum, self.count - older.count)
+
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def quantile_floor(self, q: float) -> float | None:
+        """The lower edge of the bucket holding the q-th observation: the quantile is certainly at least this."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        prev_le = 0.0
+        for le, c in self.buckets:
+            if c >= rank:
+                return prev_le
+            prev_le = le
+        return prev_le
+
+    def quantile(self, q: float) -> float | None:
+        """Like PromQL's histogram_quantile: linear within the bucket that holds the q-th observation."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        prev_le, prev_c = 0.0, 0.0
+        for le, c in self.buckets:
+            if c >= rank:
+                if math.isinf(le):
+                    return prev_le  # the top finite bound is the best that can be said
+                if c == prev_c:
+                    return le
+                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+            prev_le, prev_c = le, c
+        return prev_le
+
+
+def merge_histograms(items: Iterable[Histogram]) -> Histogram | None:
+    """Sum histograms with the same bucket bounds (one role's pods)."""
+    items = list(items)
+    if not items:
+        return None
+    totals: dict[float, float] = {}
+    for h in items:
+        for le, c in h.buckets:
+            totals[le] = totals.get(le, 0.0) + c
+    return Histogram(tuple(sorted(totals.items())), sum(h.sum for h in items), sum(h.count for h in items))
+
+
+@dataclass(frozen=True)
+class PodSample:
+    """One scrape of one engine pod's /metrics."""
+
+    pod: str
+    time: float  # seconds, any monotonic clock shared by the samples of one planner
+    running: float
+    waiting: float
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    e2e: Histogram | None = None
+    prompt_tokens: float | None = None
+    cache_queries: float | None = None
+    cache_hits: float | None = None
+    external_hits: float | None = None
+    kv_usage: float | None = None
+    local_only_blocks: float | None = None
+
+
+class MetricsError(ValueError):
+    """A /metrics body that is not Prometheus text or lacks vLLM's request gauges."""
+
+
+def parse_metrics(text: str, *, pod: str, time: float) -> PodSample:
+    """Parse an engine's Prometheus text (vLLM names), summing every label set (model_name, finished_reason...)."""
+    values: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if not math.isfinite(s.value) and not s.name.endswith("_bucket"):
+                    continue
+                if s.name.endswith("_bucket") and "le" in s.labels:
+                    le = float(s.labels["le"])
+                    per = buckets.setdefault(s.name[: -len("_bucket")], {})
+                    per[le] = per.get(le, 0.0) + s.value
+                else:
+                    values[s.name] = values.get(s.name, 0.0) + s.value
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsError(f"pod {pod}: /metrics is not Prometheus text: {exc}") from exc
+    if RUNNING not in values or WAITING not in values:
+        raise MetricsError(f"pod {pod}: /metrics lacks {RUNNING} / {WAITING} (is it a vLLM-compatible engine?)")
+
+    def counter(name: str) -> float | None:
+        for candidate in (name + "_total", name):
+            if candidate in values:
+                return values[candidate]
+        return None
+
+    def histogram(name: str) -> Histogram | None:
+        if name not in buckets or name + "_count" not in values:
+            return None
+        return Histogram(tuple(sorted(buckets[name].items())), values.get(name + "_sum", 0.0), values[name + "_count"])
+
+    return PodSample(
+        pod=pod, time=time, running=values[RUNNING], waiting=values[WAITING],
+        ttft=histogram(TTFT), itl=histogram(ITL) or histogram(ITL_OLD), e2e=histogram(E2E),
+        prompt_tokens=counter(PROMPT_TOKENS), cache_queries=counter(CACHE_QUERIES), cache_hits=counter(CACHE_HITS),
+        external_hits=counter(EXTERNAL_HITS),
+        kv_usage=values.get(KV_USAGE), local_only_blocks=values.get(LOCAL_ONLY_BLOCKS),
+    )
+
+
+@dataclass(frozen=True)
+class PodWindow:
+    """What one pod did between two samples."""
+
+    pod: str
+    seconds: float
+    requests: float  # first tokens produced (prefill) or requests finished, whichever the engine reports
+    uncached_tokens: float | None  # prompt tokens computed: neither the engine's prefix cache nor the pool had them
+    mean_running: float
+    mean_waiting: float
+    running_change: float  # running at the end minus at the start
+    waiting_growth: float  # queued requests at the end minus at the start (demand the pod could not serve)
+    ttft: Histogram | None
+    itl: Histogram | None
+
+
+def window(older: PodSample, newer: PodSample) -> PodWindow | None:
+    """The pod's activity between two samples; None when the engine restarted or no time passed."""
+    dt = newer.time - older.time
+    if dt <= 0:
+        return None
+    ttft = newer.ttft.minus(older.ttft) if newer.ttft and older.ttft else None
+    itl = newer.itl.minus(older.itl) if newer.itl and older.itl else None
+    e2e = newer.e2e.minus(older.e2e) if newer.e2e and older.e2e else None
+    if (newer.ttft and older.ttft and ttft is None) or (newer.itl and older.itl and itl is None):
+        return None  # counters went backwards: a restarted engine
+    if ttft is not None:
+        requests = ttft.count
+    elif e2e is not None:
+        requests = e2e.count
+    else:
+        requests = 0.0
+    uncached = None
+    if newer.prompt_tokens is not None and older.prompt_tokens is not None:
+        prompt = newer.prompt_tokens - older.prompt_tokens
+        hits = 0.0
+        if newer.cache_hits is not None and older.cache_hits is not None:
+            hits = newer.cache_hits - older.cache_hits
+        if newer.external_hits is not None and older.external_hits is not None:
+            hits += newer.external_hits - older.external_hits
+        if prompt < 0 or hits < 0:
+            return None
+        uncached = max(0.0, prompt - hits)
+    return PodWindow(
+        pod=newer.pod, seconds=dt, requests=requests, uncached_tokens=uncached,
+        mean_running=(older.running + newer.running) / 2, mean_waiting=(older.waiting + newer.waiting) / 2,
+        running_change=newer.running - older.running, waiting_growth=newer.waiting - older.waiting, ttft=ttft, itl=itl,
+    )
+
+
+# -- the model ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Targets:
+    """The AutoscalingSpec knobs the planner reads (seconds)."""
+
+    ttft_seconds: float
+    itl_seconds: float
+    interval_seconds: float
+    scale_up_stabilization_seconds: float
+    scale_down_stabilization_seconds: float
+    max_scale_up_step: int = 4
+    max_scale_down_step: int = 1
+    tolerance: float = 0.1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's answer for one role: pods needed (a real number), why, and the numbers behind it."""
+
+    pods: float | None  # None: nothing to go on (no pod reported)
+    reason: str
+    numbers: dict[str, float]
+
+
+@dataclass
+class PrefillLearning:
+    """What the planner learned about one role's prefill pods: uncached tokens per second one pod can compute.
+
+    Three lower bounds per window: the tokens it computed per second (tight when it ran flat out), the
+    tokens per second of service time (Little's law: service time = mean running / completions per second,
+    when busy), and uncached tokens per request over the mean TTFT (TTFT is at least the prefill time: tight
+    when requests did not queue). All are low by the batch factor for an engine that batches prefills (then
+    the planner over-provisions, never under-). Lower bounds combine by maximum: the estimate is the largest
+    seen, fading by THROUGHPUT_DECAY per interval so a changed engine is relearned.
+    """
+
+    tokens_per_second: float | None = None
+
+    def observe(self, windows: Iterable[PodWindow]) -> None:
+        seen: list[float] = []
+        for w in windows:
+            if w.uncached_tokens is None or w.uncached_tokens <= 0:
+                continue
+            bound = w.uncached_tokens / w.seconds
+            # A mean of two gauge readings is only fair when the pod was busy and they agree.
+            if w.mean_running >= BUSY_RUNNING and abs(w.running_change) <= 0.25 * w.mean_running:
+                bound = max(bound, w.uncached_tokens / (w.mean_running * w.seconds))
+            ttft = w.ttft.mean() if w.ttft is not None else None
+            if ttft and w.requests > 0:
+                # TTFT >= the prefill time itself: tight when requests did not queue (low load), where the
+                # two bounds above are weak.
+                bound = max(bound, w.uncached_tokens / w.requests / ttft)
+            seen.append(bound)
+        faded = None if self.tokens_per_second is None else self.tokens_per_second * THROUGHPUT_DECAY
+        if seen:
+            self.tokens_per_second = max(seen) if faded is None else max(faded, max(seen))
+        else:
+            self.tokens_per_second = faded
+
+
+@dataclass
+class DecodeLearning:
+    """(mean batch, mean ITL) points of one role's decode pods, for the ITL = a + c x batch fit.
+
+    One point per whole-request batch size, the latest winning: a steady load keeps refreshing its own point
+    without pushing out the points seen at other batch sizes, so the slope survives a long steady phase.
+    """
+
+    points: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def observe(self, windows: Iterable[PodWindow]) -> None:
+        for w in windows:
+            itl = w.itl.mean() if w.itl is not None else None
+            if itl is not None and w.mean_running > 0:
+                bucket = round(w.mean_running)
+                self.points.pop(bucket, None)
+                self.points[bucket] = (w.mean_running, itl)
+                while len(self.points) > FIT_POINTS:
+                    self.points.pop(next(iter(self.points)))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, c) with c > 0 by least squares, or None when the batches seen are too alike to give a slope."""
+        if len(self.points) < 2:
+            return None
+        xs = [p[0] for p in self.points.values()]
+        ys = [p[1] for p in self.points.values()]
+        if max(xs) - min(xs) < MIN_BATCH_SPREAD:
+            return None
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        c = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        if c <= 0:
+            return None
+        return max(0.0, my - c * mx), c
+
+
+def _latency(windows: list[PodWindow], pick: str) -> Histogram | None:
+    return merge_histograms(h for w in windows if (h := getattr(w, pick)) is not None)
+
+
+def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
+                     unreachable: float) -> Estimate:
+    """Prefill pods needed to keep TTFT under ``target`` at the observed arrival rate and uncached prompt length."""
+    if not windows:
+        return Estimate(None, "no prefill pod has reported metrics yet", {})
+    # Arrivals = first tokens produced + growth of the queue: a saturated pod's completions alone hide demand.
+    rate = sum((w.requests + max(0.0, w.waiting_growth)) / w.seconds for w in windows)
+    uncached_total = sum(w.uncached_tokens or 0.0 for w in windows)
+    requests = sum(w.requests for w in windows)
+    hist = _latency(windows, "ttft")
+    p90 = hist.quantile(0.9) if hist else None
+    numbers: dict[str, float] = {"arrival_rate": rate, "target_ttft_s": target,
+                                 "queued": sum(w.mean_waiting for w in windows),
+                                 "running": sum(w.mean_running for w in windows)}
+    if p90 is not None:
+        numbers["ttft_p90_s"] = p90
+    uncached = uncached_total / requests if requests > 0 else None
+    if uncached is not None:
+        numbers["uncached_tokens"] = uncached
+    throughput = learned.tokens_per_second
+    if throughput is not None:
+        numbers["pod_tokens_per_s"] = throughput
+    if rate <= 0 and numbers["queued"] <= 0 and numbers["running"] <= 0:
+        return Estimate(0.0, "no prefill requests", numbers)
+    if throughput is not None and uncached is not None:
+        alone = uncached / throughput
+        numbers["service_s"] = alone
+        if alone >= target:
+            numbers["pods"] = unreachable
+            return Estimate(unreachable, f"one request alone needs {alone:.3g}s of prefill, over the "
+                                         f"{target:g}s TTFT target: as many pods as allowed", numbers)
+        utilisation = min(MAX_UTILISATION, 1.0 - alone / target)
+        pods = rate * uncached / (throughput * utilisation)
+        numbers["utilisation"] = utilisation
+        why = (f"{rate:.3g} req/s x {uncached:.0f} uncached tokens at {throughput:.0f} tokens/s per pod, "
+               f"utilisation <= {utilisation:.2f} for TTFT {target:g}s")
+        floor = hist.quantile_floor(0.9) if hist else None
+        if floor is not None and floor >= target and pods <= current:
+            # The model thinks the pods suffice but the latency certainly misses (the whole p90 bucket is over
+            # the target, not just its interpolation): trust the latency, one pod more.
+            pods = current + 1.0
+            why += f"; but TTFT p90 is over {floor:.3g}s, above target: one more"
+        numbers["pods"] = pods
+        return Estimate(pods, why, numbers)
+    # Throughput not learned yet (no pod has had a queue): only the latency can say more pods are needed.
+    if p90 is not None and p90 > target:
+        pods = len(windows) * p90 / target
+        numbers["pods"] = pods
+        return Estimate(pods, f"TTFT p90 {p90:.3g}s over target {target:g}s (throughput not learned yet)", numbers)
+    numbers["pods"] = float(current)
+    return Estimate(float(current), "TTFT within target; prefill throughput not learned yet", numbers)
+
+
+def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
+                    unreachable: float) -> Estimate:
+    """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued."""
+    if not windows:
+        return Estimate(None, "no decode pod has reported metrics yet", {})
+    in_flight = sum(w.mean_running + w.mean_waiting for w in windows)
+    queued = sum(w.mean_waiting for w in windows) + sum(max(0.0, w.waiting_growth) for w in windows)
+    tokens = sum((w.itl.count if w.itl is not None else 0.0) / w.seconds for w in windows)
+    hist = _latency(windows, "itl")
+    mean_itl = hist.mean() if hist else None
+    numbers: dict[str, float] = {"in_flight": in_flight, "queued": queued, "tokens_per_s": tokens,
+                                 "target_itl_s": target}
+    if mean_itl is not None:
+        numbers["itl_mean_s"] = mean_itl
+    if in_flight <= 0 and tokens <= 0:
+        return Estimate(0.0, "no decode requests in flight", numbers)
+    fit = learned.fit()
+    if fit is not None:
+        a, c = fit
+        numbers["itl_base_s"], numbers["itl_per_request_s"] = a, c
+        batch = (target - a) / c
+        numbers["max_batch"] = batch
+        if batch < 1:
+            numbers["pods"] = unreachable
+            return Estimate(unreachable, f"ITL at batch 1 is {a + c:.3g}s, over the {target:g}s target: "
+                                         "as many pods as allowed", numbers)
+        # Little's law: at the target ITL the tokens/s now produced keep tokens x target requests running.
+        slots = tokens * target + queued
+        pods = slots / batch
+        numbers["slots_at_target"] = slots
+        why = (f"{tokens:.3g} tokens/s and {queued:.3g} queued need {slots:.3g} slots, at most {batch:.3g} per "
+               f"pod for ITL {target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
+        if mean_itl is not None and mean_itl > target and pods <= current:
+            pods = current + 1.0
+            why += f"; but ITL {mean_itl:.3g}s is over target: one more"
+        numbers["pods"] = pods
+        return Estimate(pods, why, numbers)
+    if mean_itl is not None and mean_itl > target:
+        # No slope yet: ITL taken as proportional to the batch (a = 0); only ever used to scale up.
+        pods = len(windows) * mean_itl / target
+        numbers["pods"] = pods
+        return Estimate(pods, f"ITL {mean_itl:.3g}s over target {target:g}s (batch slope not fitted yet)", numbers)
+    numbers["pods"] = float(current)
+    return Estimate(float(current), "ITL within target; batch slope not fitted yet", numbers)
+
+
+def round_with_tolerance(pods: float, *, current: int, tolerance: float) -> int:
+    """Whole pods for an estimate, changing ``current`` only outside a relative dead band (no flapping)."""
+    if pods > current * (1 + tolerance):
+        return math.ceil(pods - 1e-9)
+    lower = math.ceil(pods * (1 + tolerance) - 1e-9)
+    return lower if lower < current else current
+
+
+# -- the stabiliser --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """The planner's output for one role."""
+
+    role: str
+    current: int
+    desired: int
+    reason: str
+    numbers: dict[str, float]
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+class Stabiliser:
+    """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role)."""
+
+    def __init__(self) -> None:
+        self.history: deque[tuple[float, int]] = deque()
+        self.started: float | None = None
+
+    def decide(self, *, now: float, current: int, recommended: int | None, bounds: tuple[int, int],
+               targets: Targets, can_scale_in: bool) -> tuple[int, str]:
+        low, high = bounds
+        if self.started is None:
+            self.started = now
+        if current < low or current > high:
+            return min(max(current, low), high), f"replicas {current} outside bounds {low}..{high}"
+        if recommended is None:
+            return current, "no recommendation"
+        recommended = min(max(recommended, low), high)
+        self.history.append((now, recommended))
+        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds)
+        while self.history and self.history[0][0] < now - keep - targets.interval_seconds:
+            self.history.popleft()
+        up_window = [r for t, r in self.history if t >= now - targets.scale_up_stabilization_seconds]
+        down_window = [r for t, r in self.history if t >= now - targets.scale_down_stabilization_seconds]
+        up = min(up_window)
+        if up > current:
+            desired = min(up, current + targets.max_scale_up_step)
+            return desired, f"scale up: lowest recommendation over {targets.scale_up_stabilization_seconds:g}s is {up}"
+        down = max(down_window)
+        if down < current:
+            watched = now - self.started
+            if watched < targets.scale_down_stabilization_seconds:
+                return current, (f"would scale in to {down}, but watched only {watched:.0f}s of the "
+                                 f"{targets.scale_down_stabilization_seconds:g}s window")
+            if not can_scale_in:
+                return current, f"would scale in to {down}, but a pod has no metrics yet (not taken as idle)"
+            desired = max(down, current - targets.max_scale_down_step)
+            return desired, (f"scale in: highest recommendation over {targets.scale_down_stabilization_seconds:g}s "
+                             f"is {down}")
+        return current, "steady"
+
+
+@dataclass
+class RolePlanner:
+    """One role's memory between intervals: last sample per pod, what was learned, the stabiliser."""
+
+    role: str
+    samples: dict[str, PodSample] = field(default_factory=dict)  # the latest per pod
+    history: dict[str, deque[PodSample]] = field(default_factory=dict)
+    prefill: PrefillLearning = field(default_factory=PrefillLearning)
+    decode: DecodeLearning = field(default_factory=DecodeLearning)
+    stabiliser: Stabiliser = field(default_factory=Stabiliser)
+    last_windows: dict[str, PodWindow] = field(default_factory=dict)
+
+    def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
+             bounds: tuple[int, int], targets: Targets) -> Decision:
+        """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them."""
+        pods = list(pods)
+        windows: list[PodWindow] = []
+        silent: list[str] = []
+        for pod in pods:
+            new = samples.get(pod)
+            if new is None:
+                silent.append(pod)
+                continue
+            past = self.history.setdefault(pod, deque(maxlen=LOOKBACK_INTERVALS + 1))
+            # Rates over up to LOOKBACK_INTERVALS intervals: a Poisson burst in one short interval is not a trend.
+            oldest = new.time - (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds
+            old = next((p for p in past if p.time >= oldest), None)
+            w = window(old, new) if old is not None else None
+            if old is not None and w is None:
+                past.clear()  # the engine restarted: its counters start again
+            past.append(new)
+            self.samples[pod] = new
+            if w is None:
+                silent.append(pod)
+            else:
+                windows.append(w)
+        for gone in set(self.samples) - set(pods):
+            del self.samples[gone]
+        for gone in set(self.history) - set(pods):
+            del self.history[gone]
+        self.last_windows = {w.pod: w for w in windows}
+        unreachable = float(bounds[1])
+        if self.role == "prefill":
+            self.prefill.observe(windows)
+            est = estimate_prefill(windows, target=targets.ttft_seconds, learned=self.prefill, current=current,
+                                   unreachable=unreachable)
+        else:
+            self.decode.observe(windows)
+            est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
+                                  unreachable=unreachable)
+        numbers = dict(est.numbers)
+        numbers["pods_reporting"] = float(len(windows))
+        numbers["pods_silent"] = float(len(silent))
+        recommended = None
+        if est.pods is not None:
+            recommended = round_with_tolerance(est.pods, current=current, tolerance=targets.tolerance)
+            numbers["recommended"] = float(recommended)
+        desired, why = self.stabiliser.decide(now=now, current=current, recommended=recommended, bounds=bounds,
+                                              targets=targets, can_scale_in=not silent)
+        return Decision(role=self.role, current=current, desired=desired, reason=f"{why}; {est.reason}",
+                        numbers=numbers)
+
+
+def deletion_costs(samples: Mapping[str, PodSample], pods: Iterable[str]) -> dict[str, int]:
+    """``controller.kubernetes.io/pod-deletion-cost`` per pod: lowest = least in-flight work, least local cache.
+
+    In-flight requests weigh most (a drained request costs a retry or a wait); the engine-local cache value
+    the pool does not hold comes next (it must be written back or lost), then the cache fill. A pod with no
+    sample costs the most: nothing proves it is idle.
+    """
+    costs: dict[str, int] = {}
+    for pod in pods:
+        s = samples.get(pod)
+        if s is None:
+            costs[pod] = 1_000_000_000
+            continue
+        cache = s.local_only_blocks if s.local_only_blocks is not None else 0.0
+        usage = s.kv_usage if s.kv_usage is not None else 0.0
+        in_flight = s.running + s.waiting
+        costs[pod] = int(min(999_999_999, in_flight * 1_000_000 + min(cache, 9_999) * 100 + usage * 99))
+    return costs

@@ -1,0 +1,266 @@
+"""Elastic PD end to end: `daybreak load` steps drive the planner on the local cluster with real sim engines.
+
+The operator runs as a process against the full local stack; the process
+kubelet runs the pool's agents, the sim engines and the router as real
+processes. The load steps 1x -> 4x -> 1x through the router: the planner
+must raise prefill and decode soon after the step, TTFT p90 must come back
+under target once the new pods serve, a steady phase must change nothing, and
+the step down must scale in only after the stabilisation window, with no
+failed request, no corrupt block, and the victims' engine-local blocks handed
+to the pool before they exit. Timing bounds are generous; the benchmark
+(`daybreak bench elastic`) measures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import yaml
+
+from daybreak.devenv.cluster import LocalCluster
+from daybreak.operator.process import OperatorProcess
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "elastic-e2e"
+T = TypeVar("T")
+
+INTERVAL = 3
+UP_WINDOW = 3
+DOWN_WINDOW = 20
+TTFT_TARGET = 4.0
+ITL_TARGET = 0.045
+BASE_RATE = 0.3
+# The cost model slowed down (prefill 3 ms per uncached token, ITL 20 ms + 12 ms per sequence in the batch)
+# so that one pod of each role serves the base load (about 300 uncached prompt tokens and 64 output tokens
+# per request) within the targets and the 4x step needs 2 of each: scaling shows on 2 cores.
+ENGINE_ARGS = ["--time-scale", "2", "--prefill-per-token-seconds", "0.0015", "--decode-per-sequence-seconds",
+               "0.006", "--drain-seconds", "20"]
+LOAD_ARGS = ["--turns", "3", "--system-tokens", "128", "--user-tokens", "256", "--output-tokens", "64"]
+
+
+def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 120.0, env: Env | None = None) -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+            if last:
+                return last
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+            last = exc
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{env.operator.log()[-4000:] if env else ''}")
+
+
+@dataclass
+class Sample:
+    t: float
+    prefill: int
+    decode: int
+    prefill_ready: int
+    decode_ready: int
+
+
+@dataclass
+class Env:
+    cluster: LocalCluster
+    api: httpx.Client
+    operator: OperatorProcess
+    workdir: Path
+    samples: list[Sample] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def get(self, path: str) -> dict[str, Any]:
+        resp = self.api.get(path)
+        resp.raise_for_status()
+        return dict(resp.json())
+
+    def deployment(self, role: str) -> dict[str, Any]:
+        return self.get(f"/apis/apps/v1/namespaces/{NS}/deployments/elastic-{role}")
+
+    def pdd(self) -> dict[str, Any]:
+        return self.get(f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/elastic")
+
+    def watch(self) -> None:
+        """Record the role Deployments' replicas every half second (the planner's decisions as applied)."""
+        while not self.stop.is_set():
+            try:
+                p, d = self.deployment("prefill"), self.deployment("decode")
+                self.samples.append(Sample(time.monotonic(), int(p["spec"]["replicas"]), int(d["spec"]["replicas"]),
+                                           int((p.get("status") or {}).get("readyReplicas") or 0),
+                                           int((d.get("status") or {}).get("readyReplicas") or 0)))
+            except (httpx.HTTPError, KeyError):
+                pass
+            self.stop.wait(0.5)
+
+    def router_url(self) -> str:
+        pods = self.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=daybreak.dev/role=router")["items"]
+        ready = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                        for c in (p.get("status") or {}).get("conditions") or [])]
+        return f"http://{ready[0]['status']['podIP']}:8000"
+
+    def load(self, name: str, *, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+        """One `daybreak load` sessions run at ``rate`` requests/s for ``seconds``; returns its summary."""
+        out = self.workdir / f"{name}.json"
+        sessions = max(4, int(rate * seconds / 3) + 4)
+        cmd = [sys.executable, "-m", "daybreak", "load", "--url", self.router_url(), "--sessions", str(sessions),
+               "--rate", str(rate), "--duration", str(seconds), "--seed", str(seed), "--request-timeout", "120",
+               "--json", str(out), "--quiet", *LOAD_ARGS]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
+        assert proc.returncode == 0, f"daybreak load failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        return dict(json.loads(out.read_text()))
+
+    def replicas_between(self, start: float, end: float) -> list[Sample]:
+        return [s for s in self.samples if start <= s.t <= end]
+
+    def engine_logs(self) -> str:
+        texts = []
+        pods_dir = self.cluster.directory / "pods"
+        for pod_dir in sorted(pods_dir.glob(f"{NS}_elastic-*")):
+            for log in sorted(pod_dir.glob("*.log")):
+                texts.append(f"--- {pod_dir.name}/{log.name}\n{log.read_text(errors='replace')}")
+        return "\n".join(texts)
+
+
+def _agent_rbac() -> str:
+    from daybreak.devenv import tools
+
+    out = subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
+                          "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    workdir = tmp_path_factory.mktemp("elastic-e2e")
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    rbac = _agent_rbac()
+    cluster.kubectl("apply", "-f", "-", stdin=rbac)
+    cluster.kubectl("create", "namespace", NS)
+    api = cluster.api()
+    op = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=workdir / "operator.log", namespace=NS,
+                         lease_namespace=NS, resync_seconds=30).start()
+    e = Env(cluster, api, op, workdir)
+    watcher = threading.Thread(target=e.watch, daemon=True)
+    try:
+        cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
+            "apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool", "metadata": {"name": "pool"},
+            "spec": {"nodeSelector": {"daybreak.dev/accelerator": "sunrise"},
+                     "tiers": {"dram": {"bytesPerNode": "256Mi"}}, "transport": {"preference": ["tcp"]}}}))
+        cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
+            "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "elastic"},
+            "spec": {
+                "poolRef": {"name": "pool"},
+                # A small layout (1 KiB blocks) so the KV bytes moved stay cheap on 2 cores.
+                "model": {"name": "sim-model", "revision": "r1",
+                          "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
+                                       "blockTokens": 16}},
+                "engine": {"kind": "sim", "args": ENGINE_ARGS},
+                "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+                "autoscaling": {"enabled": True, "ttftSeconds": TTFT_TARGET, "itlSeconds": ITL_TARGET,
+                                "intervalSeconds": INTERVAL, "scaleUpStabilizationSeconds": UP_WINDOW,
+                                "scaleDownStabilizationSeconds": DOWN_WINDOW},
+            }}))
+        wait_for("the router and one engine per role ready", lambda: e.router_url() and all(
+            int((e.deployment(r).get("status") or {}).get("readyReplicas") or 0) >= 1
+            for r in ("prefill", "decode")), env=e, timeout=180)
+        watcher.start()
+        yield e
+    finally:
+        e.stop.set()
+        op.stop()
+        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", stdin=rbac, check=False)
+        api.close()
+
+
+@dataclass
+class Phases:
+    """What the scenario measured, shared by the checks below (they run in file order)."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    marks: dict[str, float] = field(default_factory=dict)
+
+
+PHASES = Phases()
+
+
+def test_a_steady_base_load_changes_nothing(env: Env) -> None:
+    PHASES.marks["base"] = time.monotonic()
+    PHASES.results["base"] = env.load("base", rate=BASE_RATE, seconds=30, seed=1)
+    seen = env.replicas_between(PHASES.marks["base"] + 2 * INTERVAL, time.monotonic())
+    assert seen and {(s.prefill, s.decode) for s in seen} == {(1, 1)}, seen[-5:]
+    assert PHASES.results["base"]["failed_requests"] == 0, PHASES.results["base"]
+
+
+def test_a_4x_step_raises_prefill_and_decode_and_ttft_comes_back_under_target(env: Env) -> None:
+    step = time.monotonic()
+    PHASES.marks["step_up"] = step
+    PHASES.results["peak"] = env.load("peak", rate=4 * BASE_RATE, seconds=45, seed=2)
+    up = env.replicas_between(step, time.monotonic())
+    first_prefill = next((s.t for s in up if s.prefill > 1), None)
+    first_decode = next((s.t for s in up if s.decode > 1), None)
+    assert first_prefill is not None and first_decode is not None, (up[-5:], env.operator.log()[-3000:])
+    # Generous: the step must first show in the engines' windows, then last the scale-up window.
+    assert first_prefill - step < 30 and first_decode - step < 30, (first_prefill - step, first_decode - step)
+    PHASES.marks["reaction_prefill"], PHASES.marks["reaction_decode"] = first_prefill - step, first_decode - step
+    wait_for("the new pods ready", lambda: env.samples[-1].prefill_ready >= env.samples[-1].prefill > 1
+             and env.samples[-1].decode_ready >= env.samples[-1].decode > 1, env=env)
+    settled = time.monotonic()
+    PHASES.results["peak_settled"] = env.load("peak_settled", rate=4 * BASE_RATE, seconds=40, seed=3)
+    result = PHASES.results["peak_settled"]
+    assert result["failed_requests"] == 0, result
+    assert result["ttft_p90_s"] < TTFT_TARGET, result
+    # A steady (peak) phase once settled does not flap: it may still hand back an overshoot after the
+    # scale-down window, but never grows again once it shrank.
+    sizes = [(s.prefill, s.decode) for s in env.replicas_between(settled, time.monotonic())]
+    for role in (0, 1):
+        seq = [x[role] for x in sizes]
+        shrunk = False
+        for a, b in itertools.pairwise(seq):
+            shrunk = shrunk or b < a
+            assert not (shrunk and b > a), sizes
+
+
+def test_a_step_down_scales_in_after_the_window_with_no_failure_and_no_lost_blocks(env: Env) -> None:
+    peak = env.samples[-1]
+    down = time.monotonic()
+    result = env.load("after", rate=BASE_RATE, seconds=DOWN_WINDOW + 40, seed=4)
+    PHASES.results["after"] = result
+    seen = env.replicas_between(down, time.monotonic())
+    first_in = next((s.t for s in seen if s.prefill < peak.prefill or s.decode < peak.decode), None)
+    assert first_in is not None, (seen[-5:], env.operator.log()[-3000:])
+    assert first_in - down >= DOWN_WINDOW - INTERVAL, first_in - down  # not before the window
+    for name, r in PHASES.results.items():
+        assert r["failed_requests"] == 0, (name, r)
+        assert r["blocks_corrupt"] == 0, (name, r)
+    # Every engine that was scaled in drained and handed its engine-local blocks to the pool.
+    wait_for("the victims stopped", lambda: env.samples[-1].decode_ready == env.samples[-1].decode
+             and env.samples[-1].prefill_ready == env.samples[-1].prefill, env=env)
+    logs = env.engine_logs()
+    handoffs = [line for line in logs.splitlines() if "event=handoff " in line]
+    assert handoffs, logs[-3000:]
+    assert all(line.rstrip().endswith("left=0") for line in handoffs), handoffs
+    events = env.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name=elastic,"
+                     "reason=Autoscaled")["items"]
+    assert len(events) >= 3, [e["message"] for e in events]
+    print(json.dumps({"marks": PHASES.marks, "results": {k: {m: v.get(m) for m in (
+        "requests", "failed_requests", "ttft_p90_s", "itl_p50_s", "hit_rate")} for k, v in PHASES.results.items()},
+        "events": [e["message"] for e in events]}, indent=1))
+
+

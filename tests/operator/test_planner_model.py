@@ -1,0 +1,260 @@
+"""The planner against a fluid model of prefill and decode pods: step up, steady, step down, steps, bounds, silence."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from daybreak.operator.planner import (
+    Histogram,
+    PodSample,
+    RolePlanner,
+    Targets,
+    deletion_costs,
+    parse_metrics,
+    round_with_tolerance,
+)
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+INTERVAL = 5.0
+
+
+def targets(**overrides: float) -> Targets:
+    base = {"ttft_seconds": 1.0, "itl_seconds": 0.05, "interval_seconds": INTERVAL,
+            "scale_up_stabilization_seconds": INTERVAL, "scale_down_stabilization_seconds": 30.0,
+            "max_scale_up_step": 4, "max_scale_down_step": 1, "tolerance": 0.1}
+    base.update(overrides)
+    return Targets(**base)  # type: ignore[arg-type]
+
+
+@dataclass
+class PodCounters:
+    ttft: dict[float, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    ttft_sum: float = 0.0
+    itl: dict[float, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    itl_sum: float = 0.0
+    prompt: float = 0.0
+    hits: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+
+    def observe(self, hist: dict[float, float], value: float, n: float) -> None:
+        for le in BUCKETS:
+            if value <= le:
+                hist[le] += n
+
+    def sample(self, pod: str, now: float) -> PodSample:
+        return PodSample(
+            pod=pod, time=now, running=self.running, waiting=self.waiting,
+            ttft=Histogram(tuple(self.ttft.items()), self.ttft_sum, self.ttft[float("inf")]),
+            itl=Histogram(tuple(self.itl.items()), self.itl_sum, self.itl[float("inf")]),
+            prompt_tokens=self.prompt, cache_hits=self.hits,
+        )
+
+
+class FluidRole:
+    """Prefill: one queue per pod, 1000 uncached tokens/s, 500 of 800 prompt tokens uncached (S = 0.5 s).
+    Decode: ITL = 0.01 + 0.002 x batch, 100 output tokens per request."""
+
+    def __init__(self, role: str, replicas: int) -> None:
+        self.role = role
+        self.pods: dict[str, PodCounters] = {}
+        self.serial = 0
+        self.backlog = 0.0
+        self.resize(replicas)
+
+    def resize(self, n: int) -> None:
+        while len(self.pods) < n:
+            self.serial += 1
+            self.pods[f"{self.role}-{self.serial}"] = PodCounters()
+        while len(self.pods) > n:
+            self.pods.pop(min(self.pods))
+
+    def advance(self, rate: float, dt: float) -> None:
+        n = len(self.pods)
+        per = rate / n
+        for c in self.pods.values():
+            if self.role == "prefill":
+                mu = 1000.0 / 500.0
+                rho = per / mu
+                if rho < 0.98:
+                    c.running, c.waiting = rho, rho * rho / (1 - rho)
+                    ttft, done = 0.5 / (1 - rho), per * dt
+                else:  # overloaded: it completes mu per second and its queue grows
+                    c.running = 1.0
+                    c.waiting += (per - mu) * dt
+                    ttft, done = 10.0, mu * dt
+                c.observe(c.ttft, ttft, done)
+                c.ttft_sum += ttft * done
+                c.prompt += 800 * done
+                c.hits += 300 * done
+            else:
+                a, slope, out, max_batch = 0.01, 0.002, 100, 64
+                denom = 1 - per * out * slope
+                batch = per * out * a / denom if denom > 0 else float("inf")
+                if batch <= max_batch:
+                    c.running, c.waiting = batch, 0.0
+                    itl = a + slope * batch
+                    tokens = per * dt * out
+                else:  # the batch is full: the rest queues
+                    c.running = max_batch
+                    itl = a + slope * max_batch
+                    tokens = max_batch / itl * dt
+                    c.waiting += per * dt - tokens / out
+                c.observe(c.itl, itl, tokens)
+                c.itl_sum += itl * tokens
+
+    def samples(self, now: float) -> dict[str, PodSample]:
+        return {pod: c.sample(pod, now) for pod, c in self.pods.items()}
+
+
+def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[float],
+          t: Targets | None = None) -> list[tuple[float, int, str]]:
+    """Run the planner one decision per interval; pods follow the decision at once. Returns (time, replicas, reason)."""
+    t = t or targets()
+    fluid = FluidRole(role, replicas)
+    planner = RolePlanner(role)
+    now = 0.0
+    trail: list[tuple[float, int, str]] = []
+    for rate in rates:
+        fluid.advance(rate, INTERVAL)
+        now += INTERVAL
+        decision = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=replicas,
+                                bounds=bounds, targets=t)
+        replicas = decision.desired
+        fluid.resize(replicas)
+        trail.append((now, replicas, decision.reason))
+    return trail
+
+
+def test_prefill_step_up_four_times_scales_up_within_two_intervals() -> None:
+    # 1 req/s fits 1 pod (rho 0.5, TTFT 1.0 s... at target); 4 req/s needs about 4 / (2 x 0.5) = 4 pods.
+    trail = drive("prefill", replicas=2, bounds=(1, 20), rates=[1.0] * 6 + [4.0] * 10)
+    before = trail[5][1]
+    assert trail[7][1] > before, trail[5:8]
+    assert trail[-1][1] >= 4
+
+
+def test_decode_step_up_four_times_scales_up_within_two_intervals() -> None:
+    trail = drive("decode", replicas=2, bounds=(1, 20), rates=[20.0] * 6 + [80.0] * 10)
+    before = trail[5][1]
+    assert trail[7][1] > before, trail[5:8]
+
+
+def test_steady_load_changes_nothing_once_settled() -> None:
+    for role, rate in (("prefill", 3.0), ("decode", 50.0)):
+        trail = drive(role, replicas=2, bounds=(1, 20), rates=[rate] * 60)
+        settled = [r for _, r, _ in trail[30:]]
+        assert len(set(settled)) == 1, (role, trail)
+
+
+def test_step_down_scales_in_only_after_the_stabilisation_window() -> None:
+    window = 30.0
+    trail = drive("prefill", replicas=2, bounds=(1, 20), rates=[4.0] * 12 + [1.0] * 20,
+                  t=targets(scale_down_stabilization_seconds=window))
+    peak = trail[11][1]
+    step_time = trail[11][0]
+    for now, replicas, _ in trail[12:]:
+        if now < step_time + window:
+            assert replicas == peak, (now, trail)
+    assert trail[-1][1] < peak
+    # and then one pod at a time (max step down 1)
+    sizes = [r for _, r, _ in trail]
+    assert all(b >= a - 1 for a, b in itertools.pairwise(sizes))
+
+
+def test_max_step_limits_each_decision() -> None:
+    trail = drive("decode", replicas=1, bounds=(1, 100), rates=[5.0] * 3 + [400.0] * 6,
+                  t=targets(max_scale_up_step=2))
+    sizes = [1] + [r for _, r, _ in trail]
+    assert max(b - a for a, b in itertools.pairwise(sizes)) <= 2
+    assert sizes[-1] > 3
+
+
+def test_bounds_hold_both_ways() -> None:
+    up = drive("prefill", replicas=2, bounds=(2, 3), rates=[20.0] * 8)
+    assert max(r for _, r, _ in up) == 3
+    down = drive("prefill", replicas=3, bounds=(2, 3), rates=[0.0] * 20,
+                 t=targets(scale_down_stabilization_seconds=10.0))
+    assert min(r for _, r, _ in down) == 2
+
+
+def test_a_pod_without_metrics_is_not_idle() -> None:
+    t = targets(scale_down_stabilization_seconds=0.0)
+    planner = RolePlanner("decode")
+    planner.decode.points = {5: (5.0, 0.02), 20: (20.0, 0.05)}  # learned earlier: ITL = 0.01 + 0.002 x batch
+    fluid = FluidRole("decode", 3)
+    now = 0.0
+    silent = "decode-3"
+    for _ in range(10):
+        fluid.advance(1.0, INTERVAL)
+        now += INTERVAL
+        samples = {p: s for p, s in fluid.samples(now).items() if p != silent}
+        decision = planner.step(now=now, pods=list(fluid.pods), samples=samples, current=3, bounds=(1, 10),
+                                targets=t)
+        assert decision.desired == 3, decision
+    assert "no metrics" in decision.reason
+    # once it reports (two samples make a window), the idle role does scale in
+    for _ in range(2):
+        fluid.advance(1.0, INTERVAL)
+        now += INTERVAL
+        decision = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=3,
+                                bounds=(1, 10), targets=t)
+    assert decision.desired == 2, decision
+
+
+def test_no_metrics_at_all_keeps_replicas() -> None:
+    planner = RolePlanner("prefill")
+    for i in range(5):
+        decision = planner.step(now=5.0 * i, pods=["a", "b"], samples={}, current=2, bounds=(1, 10),
+                                targets=targets(scale_down_stabilization_seconds=0.0))
+        assert decision.desired == 2
+
+
+def test_restarted_engine_counters_are_not_a_window() -> None:
+    planner = RolePlanner("prefill")
+    fluid = FluidRole("prefill", 1)
+    fluid.advance(3.0, INTERVAL)
+    planner.step(now=5, pods=list(fluid.pods), samples=fluid.samples(5), current=1, bounds=(1, 5), targets=targets())
+    fluid.pods["prefill-1"] = PodCounters()  # restarted: counters back to zero
+    d = planner.step(now=10, pods=list(fluid.pods), samples=fluid.samples(10), current=1, bounds=(1, 5),
+                     targets=targets())
+    assert d.numbers["pods_silent"] == 1
+
+
+def test_tolerance_band() -> None:
+    assert round_with_tolerance(2.05, current=2, tolerance=0.1) == 2
+    assert round_with_tolerance(2.3, current=2, tolerance=0.1) == 3
+    assert round_with_tolerance(2.3, current=3, tolerance=0.1) == 3
+    assert round_with_tolerance(1.5, current=3, tolerance=0.1) == 2
+    assert round_with_tolerance(0.4, current=0, tolerance=0.1) == 1
+
+
+def test_deletion_cost_prefers_idle_pods_with_little_local_cache() -> None:
+    samples = {
+        "busy": PodSample(pod="busy", time=0, running=2, waiting=0, kv_usage=0.1, local_only_blocks=0),
+        "warm": PodSample(pod="warm", time=0, running=0, waiting=0, kv_usage=0.9, local_only_blocks=50),
+        "cold": PodSample(pod="cold", time=0, running=0, waiting=0, kv_usage=0.1, local_only_blocks=0),
+    }
+    costs = deletion_costs(samples, ["busy", "warm", "cold", "silent"])
+    assert sorted(costs, key=costs.__getitem__) == ["cold", "warm", "busy", "silent"]
+
+
+def test_parse_vllm_text() -> None:
+    text = "\n".join([
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="m"} 2.0',
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{model_name="m"} 1.0',
+        "# TYPE vllm:prefix_cache_hits counter",
+        'vllm:prefix_cache_hits_total{model_name="m"} 40.0',
+        "# TYPE vllm:inter_token_latency_seconds histogram",
+        'vllm:inter_token_latency_seconds_bucket{le="0.05",model_name="m"} 3.0',
+        'vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} 4.0',
+        'vllm:inter_token_latency_seconds_sum{model_name="m"} 0.2',
+        'vllm:inter_token_latency_seconds_count{model_name="m"} 4.0',
+        "",
+    ])
+    s = parse_metrics(text, pod="p", time=1.0)
+    assert (s.running, s.waiting, s.cache_hits) == (2.0, 1.0, 40.0)
+    assert s.itl is not None and s.itl.count == 4.0 and s.itl.quantile(0.5) is not None
