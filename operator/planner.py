@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from daybreak.errors import DaybreakError
+
 # vLLM's metric names (counters also exposed with the _total suffix by prometheus_client).
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -144,7 +146,7 @@ class PodSample:
     local_only_blocks: float | None = None
 
 
-class MetricsError(ValueError):
+class MetricsError(DaybreakError, ValueError):
     """A /metrics body that is not Prometheus text or lacks vLLM's request gauges."""
 
 
