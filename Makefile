@@ -17,7 +17,7 @@ all: test
 
 help:
 	@echo "make test   - install into .venv, build the local control plane, lint, typecheck, run the tests"
-	@echo "make demo   - start the local cluster with fake accelerator nodes and run the demo"
+	@echo "make demo   - the local cluster with fake accelerator nodes, the chart, a stepped load and a live view (DEMO_SECONDS=N DEMO_JSON=FILE for scripts)"
 	@echo "make bench  - run the benchmarks against their anchors"
 	@echo "make crds   - regenerate crds/ from the API models"
 	@echo "make tools  - build (or find cached) kube-apiserver, etcd, kwok, helm, ..."

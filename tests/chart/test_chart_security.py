@@ -290,6 +290,12 @@ def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: Lo
         if manifest["kind"] == "Deployment":
             out = _as_operator(kube, "create", manifest, namespace=POOL_NS)
             assert out.returncode == 0, out.stderr
+    # The engines' and router's own rights (read the pool, list EndpointSlices): bound to their own account only.
+    serving_role = next(m for m in engines.access if m["kind"] == "Role")
+    kube.kubectl("apply", "-n", POOL_NS, "-f", "-", stdin=json.dumps(serving_role))  # what a binding is checked against
+    serving_binding = next(m for m in engines.access if m["kind"] == "RoleBinding")
+    out = _as_operator(kube, "create", serving_binding, namespace=POOL_NS)
+    assert out.returncode == 0, out.stderr
 
     refused: list[tuple[dict[str, Any], str]] = [(_privileged_daemonset(), "hostPID")]
     etc = copy.deepcopy(ds)
@@ -305,6 +311,9 @@ def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: Lo
     stolen = copy.deepcopy(engine)
     stolen["spec"]["template"]["spec"]["serviceAccountName"] = "kv-minimal-daybreak-agent"
     refused.append((stolen, "serviceAccountName"))
+    widened = copy.deepcopy(serving_binding)
+    widened["subjects"][0]["name"] = "default"
+    refused.append((widened, "per-pool Role"))
     hostnet = copy.deepcopy(engine)
     hostnet["spec"]["template"]["spec"]["hostNetwork"] = True
     refused.append((hostnet, "only agents use hostNetwork"))

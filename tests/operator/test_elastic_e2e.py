@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
 

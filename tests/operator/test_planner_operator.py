@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.process import OperatorProcess
+from daybreak.testing.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "planner-it"

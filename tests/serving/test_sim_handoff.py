@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from daybreak.client import KVPoolClient
-from daybreak.serving.localstack import Stack, metric_sum
 from daybreak.serving.prompt import block_keys, check_block, tokenize
 from daybreak.serving.sim.kv import LocalCache
+from daybreak.testing.serving_stack import Stack, metric_sum
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 4096

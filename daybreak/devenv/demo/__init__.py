@@ -1,0 +1,157 @@
+"""``make demo``: the whole serving path on a local cluster, under a stepped load, in one command.
+
+Phases (docs/walkthrough.md walks through them): a local control plane with
+two fake nodes of 8 Sunrise devices and the process kubelet; ``helm install``
+of the chart (two operator replicas under leader election); the demo pool and
+a sim PDDeployment with the planner on (examples/demo.yaml); agent-style
+sessions stepped 1x -> 4x -> 1x plus a slice of the Mooncake trace through the
+router, with one agent SIGKILLed halfway; a live view while it runs; a summary.
+
+Environment: ``DEMO_SECONDS`` (load duration, default 120; when set the demo
+does not wait at the end), ``DEMO_JSON`` (write the summary there),
+``DEMO_HOLD=0`` (do not wait for Ctrl-C; also the default without a terminal),
+``DEMO_TRACE`` (the trace; default ../shared/traces/synthetic_trace.jsonl,
+none when missing). The cluster is always torn down at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from daybreak.devenv.cluster import ClusterSpec, LocalCluster
+from daybreak.devenv.demo import steps
+from daybreak.devenv.demo import summary as summary_mod
+from daybreak.devenv.demo.live import Sampler
+from daybreak.devenv.demo.workload import Workload
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SECONDS = 120.0
+SCALE_IN_WAIT_S = 60.0
+
+
+def _trace() -> Path | None:
+    path = Path(os.environ.get("DEMO_TRACE") or steps.ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl")
+    if not path.is_file():
+        print(f"(no trace at {path}: sessions only; set DEMO_TRACE=FILE)", flush=True)
+        return None
+    return path
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # SIGTERM (a CI timeout) and SIGINT (even when started in the background, which ignores it) tear down.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    scripted = "DEMO_SECONDS" in os.environ
+    try:
+        seconds = float(os.environ.get("DEMO_SECONDS") or DEFAULT_SECONDS)
+    except ValueError:
+        print(f"DEMO_SECONDS={os.environ['DEMO_SECONDS']!r}: give a number of seconds", file=sys.stderr)
+        return 2
+    if seconds < 20:
+        print("DEMO_SECONDS must be at least 20 (the planner needs a few intervals per phase)", file=sys.stderr)
+        return 2
+    out_json = Path(os.environ["DEMO_JSON"]) if os.environ.get("DEMO_JSON") else None
+    hold = (not scripted and os.environ.get("DEMO_HOLD", "1") != "0" and sys.stdin.isatty()
+            and sys.stdout.isatty())
+    directory = steps.ROOT / ".daybreak" / "demo-cluster"
+    shutil.rmtree(directory, ignore_errors=True)  # the demo's own cluster dir: a crashed run's leftovers
+    steps.step("starting a local control plane: 2 fake nodes x 8 Sunrise devices, the process kubelet")
+    cluster = LocalCluster(directory, ClusterSpec(nodes=2, devices_per_node=8),
+                           progress=lambda m: print(m, flush=True))
+    started = time.monotonic()
+    try:
+        with cluster:
+            print(f"cluster ready in {time.monotonic() - started:.1f}s; KUBECONFIG={cluster.kubeconfig}", flush=True)
+            steps.kubectl(cluster, "get", "nodes", "-L", "daybreak.dev/accelerator,daybreak.dev/accelerator-count")
+            steps.install_chart(cluster)
+            url = steps.apply_examples(cluster)
+            result = _run_load(cluster, url=url, seconds=seconds)
+            steps.step("summary")
+            print(summary_mod.table(result), flush=True)
+            if out_json:
+                out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+                print(f"summary written to {out_json}", flush=True)
+            if hold:
+                _hold(cluster)
+            steps.step("tearing down")
+    except steps.DemoError as exc:
+        print(f"\n{exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: cluster torn down", file=sys.stderr)
+        return 130
+    print("done", flush=True)
+    return 0 if result["failed_requests"] == 0 else 1
+
+
+def _run_load(cluster: LocalCluster, *, url: str, seconds: float) -> dict[str, object]:
+    tty = sys.stdout.isatty()
+    steps.step(f"load through the router at {url} for {seconds:.0f}s: sessions 1x -> 4x -> 1x over a trace slice; "
+               "one agent is killed halfway" + ("" if tty else " (plain progress lines: no terminal)"))
+    workload = Workload(url=url, seconds=seconds, trace=_trace())
+    api = cluster.api()
+    sampler = Sampler(api=api, namespace=steps.NS, deployment=steps.DEPLOYMENT, workload=workload, tty=tty)
+    killed: list[str] = []
+
+    def killer() -> None:
+        time.sleep(seconds / 2)
+        try:
+            pod = steps.kill_agent(cluster)
+        except steps.DemoError as exc:
+            sampler.note(f"agent kill skipped: {exc}")
+            return
+        killed.append(pod)
+        sampler.note(f"killed agent {pod} (SIGKILL, no hand-off): requests go on, a miss is a miss")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if steps.restarts(cluster, pod) > 0:
+                    sampler.note(f"agent {pod} restarted by the kubelet (the DaemonSet's pod; DRAM re-adopted)")
+                    return
+            except steps.DemoError:
+                pass
+            time.sleep(1.0)
+
+    sampler.start()
+    threading.Thread(target=killer, name="demo-agent-killer", daemon=True).start()
+    try:
+        asyncio.run(workload.run(on_phase=lambda name: sampler.note(f"phase: {name}")))
+        workload.phase = "done: waiting for the planner to scale in"
+        deadline = time.monotonic() + SCALE_IN_WAIT_S
+        # The scale-in window must pass after the step down; wait for it, bounded, so it shows.
+        while (not any(e.to_replicas < e.from_replicas for e in sampler.scale_events)
+               and time.monotonic() < deadline):
+            time.sleep(1.0)
+    finally:
+        sampler.stop()
+        api.close()
+    if sampler.tty:
+        sys.stdout.write("\033[H\033[J" + sampler.screen())
+    return summary_mod.build(workload, sampler, killed_agent=killed[0] if killed else None)
+
+
+def _hold(cluster: LocalCluster) -> None:
+    print(f"\nThe cluster stays up:\n  export KUBECONFIG={cluster.kubeconfig}\n"
+          f"  kubectl get kvp,pdd,pods -A\n  .venv/bin/daybreak status -n {steps.NS}\n"
+          "Dashboards: charts/daybreak/dashboards/*.json (import into Grafana).\nPress Ctrl-C to tear it down.",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print()
