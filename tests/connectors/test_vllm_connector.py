@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from daybreak.client import KVPoolClient
@@ -35,7 +38,8 @@ def _prompt(seed: int, length: int = 700) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(length)]
 
 
-PROMPTS = {name: _prompt(seed) for seed, name in enumerate(("shared", "corrupt", "partial", "pd", "consumer"))}
+PROMPTS = {name: _prompt(seed) for seed, name in enumerate(("shared", "corrupt", "partial", "pd", "consumer",
+                                                                         "routed"))}
 # Full blocks a 700-token prompt can load: the last prompt token is always computed.
 LOADABLE = (700 - 1) // 128 * 128
 
@@ -213,6 +217,44 @@ class TestPrefillThenDecode:
         # Decode computed only the 700 - 640 prompt tokens after the transferred blocks.
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == LOADABLE
         assert decode.metric(HITS) - before == LOADABLE
+
+    def test_daybreak_router_sends_prefill_then_decode_and_decode_loads_what_prefill_saved(
+            self, pd_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]],
+            tmp_path: Path) -> None:
+        """The real router in front of the two engines: routing on load alone (vLLM's block hashes are
+        vLLM's, so no pool lookup), prefill with max_tokens 1, then decode, whose output is the reference."""
+        prefill, decode = pd_engines
+        port = free_port()
+        log = (tmp_path / "router.log").open("w")
+        router = subprocess.Popen(
+            [str(Path(sys.executable).with_name("daybreak")), "router", "--host", "127.0.0.1", "--port", str(port),
+             "--prefill-endpoints", f"127.0.0.1:{prefill.port}", "--decode-endpoints", f"127.0.0.1:{decode.port}",
+             "--no-pool-lookup"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()
+                time.sleep(0.2)
+            before_prefill, before_decode = prefill.metric("vllm:request_success_total"), decode.metric(HITS)
+            request = {"model": str(prefill.model), "prompt": PROMPTS["routed"], "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            resp = httpx.post(url + "/v1/completions", json=request, timeout=300)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            assert out["choices"][0]["token_ids"] == reference["routed"]
+            assert prefill.metric("vllm:request_success_total") - before_prefill == 1  # prefill ran once
+            assert decode.metric(HITS) - before_decode == LOADABLE  # decode loaded the prompt from the pool
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == LOADABLE
+        finally:
+            router.terminate()
+            router.wait(timeout=30)
+            log.close()
 
     def test_a_consumer_saves_nothing_and_a_producer_loads_nothing(
             self, pd_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
