@@ -44,10 +44,12 @@ def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 60.0,
     while time.monotonic() < deadline:
         try:
             last = probe()
+            # Only a real value ends the wait: a caught exception is remembered for the failure
+            # message and the probe retried (an exception object is truthy).
+            if last:
+                return last
         except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
             last = exc
-        if last:
-            return last  # type: ignore[no-any-return]
         time.sleep(0.3)
     logs = "" if env is None else "\n".join(f"--- {o.identity} ---\n{o.log()[-3000:]}" for o in env.operators)
     pytest.fail(f"timed out waiting for {what}; last={last!r}\n{logs}")

@@ -50,10 +50,12 @@ def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 120.0
     while time.monotonic() < deadline:
         try:
             last = probe()
+            # Only a real value ends the wait: a caught exception is remembered for the failure
+            # message and the probe retried (an exception object is truthy).
+            if last:
+                return last
         except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
             last = exc
-        if last:
-            return last  # type: ignore[no-any-return]
         time.sleep(0.3)
     pytest.fail(f"timed out waiting for {what}; last={last!r}\n{on_fail() if on_fail else ''}")
 
