@@ -22,7 +22,7 @@ from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from daybreak.api.base import GROUP, VERSION
-from daybreak.operator.credentials import engine_credential_secret
+from daybreak.operator.credentials import credential_secret_name, engine_credential_secret
 from daybreak.pool.credentials import NAMESPACE_PATTERN
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class CredentialMinter:
             else:
                 created += 1
                 log.info("event=credential_minted pdd=%s/%s kv_namespace=%s secret=%s", self.namespace, name, ns,
-                         body["metadata"]["name"])  # type: ignore[index]
+                         credential_secret_name(name, ns))
             self._done.add((uid, ns))
         return created
 
