@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
@@ -77,7 +77,8 @@ class CredentialMinter:
             body = engine_credential_secret(pool_secret=self._secret, kv_namespace=ns, pdd=name, pdd_uid=uid,
                                             namespace=self.namespace, pool=self.pool)
             try:
-                await self._core.create_namespaced_secret(self.namespace, body)
+                # The client serialises a plain dict as is; its stubs only name the model class.
+                await self._core.create_namespaced_secret(self.namespace, cast(Any, body))
             except ApiException as exc:
                 if exc.status != 409:
                     raise
