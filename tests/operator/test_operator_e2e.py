@@ -25,6 +25,7 @@ from daybreak.agent.settings import AgentSettings
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster, fake_node
+from daybreak.operator.credentials import credential_secret_name
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -212,7 +213,8 @@ def test_every_child_exists_with_owner_labels_env_and_mounts(env: Env) -> None:
     expected_ns = PDDeployment.from_body(pdd).spec.kv_namespace()
     assert engine_env["DAYBREAK_KV_NAMESPACE"]["value"] == expected_ns
     assert engine_env["DAYBREAK_POOL_ENDPOINTS"]["value"] == f"pool-a-agents.{NS}.svc:7400"
-    assert engine_env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pool-a-token", "key": "token"}
+    assert engine_env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": credential_secret_name("sim-a", expected_ns), "key": "token", "optional": False}
     assert engine_env["DAYBREAK_TRANSPORTS"]["value"] == "rdma,shm,tcp"
     assert engine_env["DAYBREAK_ROLE"]["value"] == "decode"
 
