@@ -286,10 +286,15 @@ def test_scale_and_rollout_are_applied_with_events(env: Env) -> None:
                    and p["status"].get("observedGeneration") == p["metadata"]["generation"] and p, env=env)
     assert new["status"]["kvNamespace"] != old["status"]["kvNamespace"]
     assert new["status"]["kvNamespace"] == PDDeployment.from_body(new).spec.kv_namespace()
-    decode = env.deployment("sim-a-decode")
-    assert decode is not None
-    template_env = {e["name"]: e.get("value") for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert template_env["DAYBREAK_KV_NAMESPACE"] == new["status"]["kvNamespace"]
+    # Prefill rolls first (its new pods wait for the agents to mint the new namespace's credential
+    # Secret, then for /health); decode follows once prefill runs only the new template.
+    def decode_namespace() -> str | None:
+        decode = env.deployment("sim-a-decode") or {}
+        containers = (((decode.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
+        return {e["name"]: e.get("value") for e in containers[0].get("env") or []}.get("DAYBREAK_KV_NAMESPACE")
+
+    wait_for("decode on the new kvNamespace", lambda: decode_namespace() == new["status"]["kvNamespace"], env=env)
+    assert env.get(f"/api/v1/namespaces/{NS}/secrets/{credential_secret_name('sim-a', new['status']['kvNamespace'])}")
     wait_for("RolloutStarted event", lambda: any(e["reason"] == "RolloutStarted" for e in env.events("sim-a")),
              env=env)
 
