@@ -275,6 +275,19 @@ async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Ev
         await api.close()
 
 
+async def _mint_credentials(settings: AgentSettings, stop: asyncio.Event) -> None:
+    """Create the namespace-credential Secrets of the pool's PDDeployments (``daybreak.agent.credentials_minter``)."""
+    from daybreak.agent.credentials_minter import mint_pool_credentials
+    from daybreak.agent.publish import load_client
+
+    api = await load_client(settings.kubeconfig)
+    try:
+        await mint_pool_credentials(api, namespace=settings.pool_namespace, pool=settings.pool_name,
+                                    pool_secret=load_token(settings.token_file), stop=stop)
+    finally:
+        await api.close()
+
+
 def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> int:
     """Cluster mode: discovery, registration and publishing (``daybreak.agent.node``) until ``stop``."""
     try:
@@ -297,15 +310,15 @@ def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> in
 
         threading.Thread(target=bridge, daemon=True, name="stop-bridge").start()
         kwargs = _store_hooks(server) if server is not None else {}
-        members = None
+        side: list[asyncio.Task[None]] = []
         if server is not None and settings.pool_name and settings.pool_namespace:
-            members = asyncio.create_task(_follow_members(settings, server, done), name="daybreak-pool-members")
+            side.append(asyncio.create_task(_follow_members(settings, server, done), name="daybreak-pool-members"))
+            side.append(asyncio.create_task(_mint_credentials(settings, done), name="daybreak-credential-minter"))
         try:
             await run_node_agent(settings, stop=done, **kwargs)
         finally:
             done.set()
-            if members is not None:
-                await asyncio.gather(members, return_exceptions=True)
+            await asyncio.gather(*side, return_exceptions=True)
 
     try:
         asyncio.run(_main())

@@ -5,8 +5,9 @@ Pure functions, like ``pool``: the reconciler builds, applies and observes.
 Engines find the pool through environment variables (the contract with the
 engine connectors and ``daybreak sim-engine``; see docs/operator.md):
 ``DAYBREAK_POOL_ENDPOINTS`` (the pool's headless Service, host:port, which
-resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (from the pool's
-Secret), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
+resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (the credential of the
+deployment's kvNamespace, from the Secret the pool's agents mint; see
+``operator/credentials.py``), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
 preferred first), ``DAYBREAK_ROLE``, ``DAYBREAK_MODEL``,
 ``DAYBREAK_MODEL_REVISION``, ``DAYBREAK_KV_LAYOUT`` (JSON) and
 ``DAYBREAK_BLOCK_BYTES``, plus the downward-API ``POD_IP``, ``POD_NAME``,
@@ -33,9 +34,10 @@ from daybreak.api.kvpool import KVPool, Transport
 from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
+from daybreak.operator.credentials import SECRET_KEY, credential_secret_name
 from daybreak.operator.kube import Manifest
 from daybreak.operator.policy import PolicyError, engine_pod_violations
-from daybreak.operator.pool import TOKEN_KEY, PoolNames, token_secret_name
+from daybreak.operator.pool import PoolNames
 
 # The downward API fields every serving pod gets (engines and the router bind $(POD_IP)).
 DOWNWARD_ENV: list[dict[str, Any]] = [
@@ -92,6 +94,17 @@ def pool_ref(pool: KVPool) -> str:
     return f"{pool.metadata.namespace}/{pool.metadata.name}"
 
 
+def pool_token_env(pdd: PDDeployment) -> dict[str, Any]:
+    """``DAYBREAK_POOL_TOKEN`` from the agent-minted Secret of the spec's kvNamespace (never the pool secret).
+
+    Not optional: a pod waits until an agent created the Secret. A rollout to a new kvNamespace renders a
+    new Secret name, so the old pods keep the old credential and the new ones get the new one.
+    """
+    name = credential_secret_name(pdd.metadata.name or "", pdd.spec.kv_namespace())
+    return {"name": "DAYBREAK_POOL_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": name, "key": SECRET_KEY, "optional": False}}}
+
+
 def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
     spec = pdd.spec
     layout = spec.model.kv_layout
@@ -102,8 +115,7 @@ def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, An
         {"name": "DAYBREAK_POOL", "value": pool.metadata.name},
         {"name": "DAYBREAK_POOL_REF", "value": pool_ref(pool)},
         {"name": "DAYBREAK_POOL_ENDPOINTS", "value": f"{pool_names.service_host()}:{pool.spec.agent.port}"},
-        {"name": "DAYBREAK_POOL_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
+        pool_token_env(pdd),
         {"name": "DAYBREAK_KV_NAMESPACE", "value": spec.kv_namespace()},
         {"name": "DAYBREAK_TRANSPORTS", "value": ",".join(t.value for t in pool.spec.transport.preference)},
         {"name": "DAYBREAK_MODEL", "value": spec.model.name},
@@ -226,8 +238,7 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
                         "--decode-service", names.role(Role.DECODE), "--pool-ref", pool_ref(pool)],
             "env": [
                 *DOWNWARD_ENV,
-                {"name": "DAYBREAK_POOL_TOKEN",
-                 "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
+                pool_token_env(pdd),
                 {"name": "DAYBREAK_KV_NAMESPACE", "value": pdd.spec.kv_namespace()},
                 {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
                 {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},

@@ -207,15 +207,19 @@ def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | N
     out = PoolChildren()
 
     out.applied.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": names.service_account}})
-    # Namespaced rights: read its own pool, nothing else (its endpoints are the membership; the watch carries
-    # a metadata.name field selector, which is what lets list/watch honour resourceNames). The token comes
-    # through the mount only. Node and KVNode rights come from the shared binding (the chart's ClusterRole,
+    # Namespaced rights: read its own pool (its endpoints are the membership; the watch carries a
+    # metadata.name field selector, which is what lets list/watch honour resourceNames), and mint the
+    # engines' namespace credentials. The pool token comes through the mount only. Node and KVNode rights come from the shared binding (the chart's ClusterRole,
     # limited to the agent's own node by the chart's admission policy).
     out.applied.append({
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": names.agent},
         "rules": [
             {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [name],
              "verbs": ["get", "list", "watch"]},
+            # The credential minter (daybreak.agent.credentials_minter): see the pool's PDDeployments and
+            # create their namespace-credential Secrets. No get/list/update/delete of Secrets.
+            {"apiGroups": ["daybreak.dev"], "resources": ["pddeployments"], "verbs": ["list", "watch"]},
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         ],
     })
     out.applied.append({

@@ -207,13 +207,18 @@ def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
 
     ``mounts`` are ``(mountPath, host path)``; the longest mount path wins.
     """
-    for mount_path, host in sorted(mounts, key=lambda m: -len(m[0])):
+    # One pass over the text: a host path already put in (under /tmp, say) must not be rewritten again
+    # by a shorter mount path such as an emptyDir at /tmp.
+    hosts: dict[str, str] = {}
+    for mount_path, host in mounts:
         mp = mount_path.rstrip("/") or "/"
-        if mp == "/":
-            continue
-        pattern = re.compile(r"(?<![\w./-])" + re.escape(mp) + r"(?=$|[/\s\"',:;=)\]}])")
-        text = pattern.sub(host.replace("\\", "\\\\"), text)
-    return text
+        if mp != "/":
+            hosts[mp] = host
+    if not hosts:
+        return text
+    alternatives = "|".join(re.escape(mp) for mp in sorted(hosts, key=len, reverse=True))
+    pattern = re.compile(r"(?<![\w./-])(" + alternatives + r")(?=$|[/\s\"',:;=)\]}])")
+    return pattern.sub(lambda m: hosts[m.group(1)], text)
 
 
 def field_ref(pod: dict[str, Any], path: str) -> str:

@@ -129,3 +129,10 @@ def test_a_fake_nodes_sysfs_shows_its_accelerators_to_discovery(tmp_path: Path) 
     k.write_fake_sysfs(tmp_path / "nv", accelerator="nvidia", count=2)
     labels = node_labels(discover(tmp_path / "nv"), node_name="n1", rdma=False)
     assert labels["daybreak.dev/accelerator"] == "nvidia" and labels["daybreak.dev/accelerator-count"] == "2"
+
+
+def test_a_host_path_put_in_is_not_rewritten_again_by_a_tmp_mount() -> None:
+    # The agent mounts an emptyDir at /tmp while the cluster's pod directories live under /tmp too.
+    mounts = [("/etc/daybreak", "/tmp/c/pods/p/volumes/config"), ("/tmp", "/tmp/c/pods/p/volumes/tmp")]
+    assert k.rewrite_paths("--config /etc/daybreak/agent.yaml --scratch /tmp/x", mounts) == (
+        "--config /tmp/c/pods/p/volumes/config/agent.yaml --scratch /tmp/c/pods/p/volumes/tmp/x")

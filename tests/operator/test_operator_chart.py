@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -132,6 +133,27 @@ def test_operator_in_cluster_with_the_charts_service_account(kube: LocalCluster,
             assert status["kvNamespace"].startswith("kv1-")
             lease = api.get(f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NS}/leases/daybreak-operator").json()
             assert lease["spec"]["holderIdentity"].startswith("in-cluster_")
+            # The agents' Role carries the credential minter's rights: the chart's operator could grant them.
+            role = api.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{WATCHED_NS}/roles/kv-minimal-agent").json()
+            assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]} in role["rules"]
+        # The operator-writes policy: the serving binding passes (above); other subjects are refused.
+        with httpx.Client(base_url=kube.server, timeout=30, headers={"Authorization": f"Bearer {token}"},
+                          verify=ssl.create_default_context(cafile=str(kube.pki.ca_cert))) as as_operator:
+            def bind(name: str, role_name: str, subject: str) -> httpx.Response:
+                body = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                        "metadata": {"name": name},
+                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role_name},
+                        "subjects": [{"kind": "ServiceAccount", "name": subject, "namespace": WATCHED_NS}]}
+                return as_operator.post(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{WATCHED_NS}/rolebindings"
+                                        "?dryRun=All", json=body)
+
+            other = bind("sim-llama-serving", "sim-llama-serving", "default")
+            assert other.status_code == 403 and "daybreak-operator-writes" in other.text, other.text
+            crossed = bind("sim-llama-serving", "kv-minimal-agent", "sim-llama-serving")
+            assert crossed.status_code == 403 and "daybreak-operator-writes" in crossed.text, crossed.text
+            # What the operator itself writes passes admission; the name exists, so storage answers 409.
+            own = bind("sim-llama-serving", "sim-llama-serving", "sim-llama-serving")
+            assert own.status_code == 409, own.text
         log = op.log()
         assert "forbidden" not in log.lower(), log[-4000:]
         assert " 403 " not in log

@@ -25,6 +25,7 @@ from daybreak.agent.settings import AgentSettings
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster, fake_node
+from daybreak.operator.credentials import credential_secret_name
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -214,7 +215,8 @@ def test_every_child_exists_with_owner_labels_env_and_mounts(env: Env) -> None:
     expected_ns = PDDeployment.from_body(pdd).spec.kv_namespace()
     assert engine_env["DAYBREAK_KV_NAMESPACE"]["value"] == expected_ns
     assert engine_env["DAYBREAK_POOL_ENDPOINTS"]["value"] == f"pool-a-agents.{NS}.svc:7400"
-    assert engine_env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pool-a-token", "key": "token"}
+    assert engine_env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": credential_secret_name("sim-a", expected_ns), "key": "token", "optional": False}
     assert engine_env["DAYBREAK_TRANSPORTS"]["value"] == "rdma,shm,tcp"
     assert engine_env["DAYBREAK_ROLE"]["value"] == "decode"
 
@@ -286,10 +288,15 @@ def test_scale_and_rollout_are_applied_with_events(env: Env) -> None:
                    and p["status"].get("observedGeneration") == p["metadata"]["generation"] and p, env=env)
     assert new["status"]["kvNamespace"] != old["status"]["kvNamespace"]
     assert new["status"]["kvNamespace"] == PDDeployment.from_body(new).spec.kv_namespace()
-    decode = env.deployment("sim-a-decode")
-    assert decode is not None
-    template_env = {e["name"]: e.get("value") for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert template_env["DAYBREAK_KV_NAMESPACE"] == new["status"]["kvNamespace"]
+    # Prefill rolls first (its new pods wait for the agents to mint the new namespace's credential
+    # Secret, then for /health); decode follows once prefill runs only the new template.
+    def decode_namespace() -> str | None:
+        decode = env.deployment("sim-a-decode") or {}
+        containers = (((decode.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
+        return {e["name"]: e.get("value") for e in containers[0].get("env") or []}.get("DAYBREAK_KV_NAMESPACE")
+
+    wait_for("decode on the new kvNamespace", lambda: decode_namespace() == new["status"]["kvNamespace"], env=env)
+    assert env.get(f"/api/v1/namespaces/{NS}/secrets/{credential_secret_name('sim-a', new['status']['kvNamespace'])}")
     wait_for("RolloutStarted event", lambda: any(e["reason"] == "RolloutStarted" for e in env.events("sim-a")),
              env=env)
 

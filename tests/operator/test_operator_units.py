@@ -18,6 +18,7 @@ from daybreak.operator import conditions as cond
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
 from daybreak.operator.children import dns_name, owner_reference, standard_labels
+from daybreak.operator.credentials import credential_secret_name
 from daybreak.operator.leader import LeaseTiming
 from daybreak.operator.settings import OperatorSettings
 from daybreak.operator.workqueue import WorkQueue
@@ -103,8 +104,12 @@ def test_pool_children_and_agent_privileges() -> None:
     # rdma and huge pages: root, with IPC_LOCK as its only capability (see operator/pool.py).
     assert pod["securityContext"]["runAsUser"] == 0 and "initContainers" not in pod
     (role,) = _by_kind(out.applied, "Role")
+    # Its own pool, and what the credential minter needs: see PDDeployments, create (never read) Secrets.
     assert role["rules"] == [{"apiGroups": ["daybreak.dev"], "resources": ["kvpools"],
-                              "resourceNames": ["kv-production"], "verbs": ["get", "list", "watch"]}]
+                              "resourceNames": ["kv-production"], "verbs": ["get", "list", "watch"]},
+                             {"apiGroups": ["daybreak.dev"], "resources": ["pddeployments"],
+                              "verbs": ["list", "watch"]},
+                             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
 
 
 def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
@@ -199,7 +204,9 @@ def test_pdd_children_env_and_labels() -> None:
     assert env["DAYBREAK_KV_NAMESPACE"]["value"] == expected_ns
     assert env["DAYBREAK_ROLE"]["value"] == "decode"
     assert env["DAYBREAK_POOL_ENDPOINTS"]["value"] == "kv-minimal-agents.ns1.svc:7400"
-    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kv-minimal-token", "key": "token"}}
+    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {
+        "name": credential_secret_name(pdd.metadata.name or "", pdd.spec.kv_namespace()), "key": "token",
+        "optional": False}}
     assert env["DAYBREAK_TRANSPORTS"]["value"] == "shm,link,rdma,tcp"
     assert env["DAYBREAK_BLOCK_BYTES"]["value"] == str(layout.bytes_per_block)
     assert container["command"][:4] == ["daybreak", "sim-engine", "--role", "decode"]

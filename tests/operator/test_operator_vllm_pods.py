@@ -12,6 +12,7 @@ from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.connectors.blocks import PoolSettings
 from daybreak.operator import deployment as pdd_mod
+from daybreak.operator.credentials import credential_secret_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,9 @@ def test_vllm_pods_load_daybreaks_connector_with_a_role_each_and_the_users_args_
 def test_the_connector_finds_the_pool_from_the_pods_environment() -> None:
     container = _containers()[Role.DECODE]
     env = {e["name"]: e for e in container["env"]}
-    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "kv-minimal-token"
+    # The agent-minted kvNamespace credential (docs/security.md), not the pool's token Secret.
+    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == credential_secret_name(
+        _load("pddeployment-vllm.yaml")["metadata"]["name"], env["DAYBREAK_KV_NAMESPACE"]["value"])
     # What the kubelet would hand the process: plain values, the Secret resolved.
     resolved = {name: e.get("value", "s3cret") for name, e in env.items()}
     settings = PoolSettings.resolve({}, resolved)

@@ -15,6 +15,7 @@ from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.devenv import tools
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
+from daybreak.operator.credentials import credential_secret_name
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.test/daybreak:1"
@@ -71,8 +72,9 @@ def test_sim_engines_find_the_pool_through_the_api_and_are_ready_only_when_they_
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert {"POD_NAME", "POD_NAMESPACE", "NODE_NAME"} <= env.keys()
-        assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kv-minimal-token",
-                                                                            "key": "token"}}
+        # The agent-minted credential of this kvNamespace, never the pool secret; the pod waits for it.
+        assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {
+            "name": credential_secret_name("sim-llama", pdd.spec.kv_namespace()), "key": "token", "optional": False}}
         assert env["DAYBREAK_KV_NAMESPACE"]["value"] == pdd.spec.kv_namespace()
         assert json.loads(env["DAYBREAK_KV_LAYOUT"]["value"]) == pdd.spec.model.kv_layout.to_dict()
         assert env["DAYBREAK_ROLE"]["value"] == role.value
@@ -81,7 +83,7 @@ def test_sim_engines_find_the_pool_through_the_api_and_are_ready_only_when_they_
         assert _refs_defined_before_use(container) == []
 
 
-def test_the_router_discovers_engines_from_endpointslices_and_takes_the_pools_secret() -> None:
+def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespace_credential() -> None:
     pdd = _pdd()
     pool = _pool(auth={"secretRef": {"name": "my-token"}})
     router = _workload(pdd_mod.build(pdd, pool, image=IMAGE), Role.ROUTER)
@@ -93,7 +95,9 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_pools_se
                      "--prefill-service": "sim-llama-prefill", "--decode-service": "sim-llama-decode",
                      "--pool-ref": "ns1/kv-minimal"}
     env = {e["name"]: e for e in container["env"]}
-    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "my-token", "key": "token"}}
+    # Even with the pool's own secretRef, the router gets the namespace credential, not the pool secret.
+    assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {
+        "name": credential_secret_name("sim-llama", pdd.spec.kv_namespace()), "key": "token", "optional": False}}
     assert env["DAYBREAK_KV_NAMESPACE"]["value"] == pdd.spec.kv_namespace()
     assert json.loads(env["DAYBREAK_KV_LAYOUT"]["value"]) == pdd.spec.model.kv_layout.to_dict()
     # No DNS on the data path: nothing names a Service host.

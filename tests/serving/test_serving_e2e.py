@@ -10,6 +10,7 @@ for 2 cores.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -29,6 +30,8 @@ import yaml
 from daybreak.api.kvcompat import KVLayout
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.operator.credentials import credential_secret_name
+from daybreak.pool.credentials import NAMESPACE, parse
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -203,6 +206,25 @@ def test_curl_on_the_routers_pod_address_streams_tokens(serving: Serving) -> Non
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
     assert sum(1 for c in chunks if c.get("choices") and c["choices"][0].get("text")) >= 2 and text
+
+
+def test_engines_hold_their_kv_namespace_credential_minted_by_the_agents(serving: Serving) -> None:
+    """Engine and router pods get the agent-minted credential of their kvNamespace, never the pool secret;
+    the pool reads and writes of the tests below prove the agents accept it."""
+    pod = serving.ready_pods("decode")[0]
+    kv_ns = pod["metadata"]["annotations"]["daybreak.dev/kv-namespace"]
+    name = credential_secret_name(PDD, kv_ns)
+    for role in ("prefill", "decode", "router"):
+        for p in serving.ready_pods(role):
+            env = {e["name"]: e for e in p["spec"]["containers"][0]["env"]}
+            assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == name, (role, env)
+    secret = serving.api.get(f"/api/v1/namespaces/{NS}/secrets/{name}").json()
+    assert [o["name"] for o in secret["metadata"]["ownerReferences"]] == [PDD]
+    credential = base64.b64decode(secret["data"]["token"]).decode()
+    scope, _ = parse(credential)
+    assert (scope.role, scope.namespace) == (NAMESPACE, kv_ns)
+    pool_secret = serving.api.get(f"/api/v1/namespaces/{NS}/secrets/{POOL}-token").json()
+    assert base64.b64decode(pool_secret["data"]["token"]).decode() not in credential
 
 
 def test_the_second_turn_reads_its_shared_prefix_from_the_pool_checked_by_content(serving: Serving) -> None:
