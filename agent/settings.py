@@ -73,8 +73,8 @@ class AgentSettings(BaseModel):
                                   "this long are removed at start")
 
     # -- transfer engine ------------------------------------------------------------
-    transfer_listen: str = Field("0.0.0.0:0", description="host:port of the transfer engine's tcp server; "
-                                 "port 0 picks a free one")
+    transfer_listen: str = Field("", description="host:port of the transfer engine's tcp server; port 0 picks a "
+                                 "free one; empty: the store's listen host, port 0 (never a wider bind than the store)")
     transfer_advertise: str = Field("", description="host:port put into segment descriptors; empty means the "
                                     "bound address")
     transfer_connections: int = Field(2, ge=1, le=64, description="tcp connections per peer engine")

@@ -156,6 +156,16 @@ def test_engine_from_agent_settings() -> None:
         assert engine.tcp_endpoint.startswith("127.0.0.1:")
 
 
+def test_an_agents_engine_needs_a_token_and_binds_no_wider_than_the_store() -> None:
+    from daybreak.agent.settings import AgentSettings
+
+    settings = AgentSettings.load(environ={"DAYBREAK_LISTEN": "127.0.0.3:7480"})
+    with pytest.raises(ValueError, match="needs the pool secret"):
+        TransferEngine.from_settings(settings, token="")
+    with TransferEngine.from_settings(settings, token="a-pool-secret") as engine:
+        assert engine.tcp_endpoint.startswith("127.0.0.3:")  # the store's host, not 0.0.0.0
+
+
 # -- tcp server robustness -------------------------------------------------------------------------------
 def _hello(sock: socket.socket, token: str) -> wire.Header:
     """The challenge-response by hand (as ``control.client_handshake`` does); returns the server's last frame."""
