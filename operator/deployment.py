@@ -228,7 +228,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
                 *DOWNWARD_ENV,
                 {"name": "DAYBREAK_POOL_TOKEN",
                  "valueFrom": {"secretKeyRef": {"name": token_secret_name(pool), "key": TOKEN_KEY}}},
-                {"name": "DAYBREAK_KV_NAMESPACE", "value": pdd.spec.kv_namespace()},
+                # No DAYBREAK_KV_NAMESPACE: the router takes each request's kvNamespace from the engine
+                # pods' label, so a model-revision upgrade (a new kvNamespace) does not roll the router.
                 {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
                 {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
                 {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
@@ -297,6 +298,8 @@ def serving_access(pdd: PDDeployment) -> list[Manifest]:
              {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [pdd.spec.pool_ref.name],
               "verbs": ["get"]},
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+             # The router pairs prefill and decode pods by their kvNamespace label (read from the pods).
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": account},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
