@@ -239,7 +239,9 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
             "env": [
                 *DOWNWARD_ENV,
                 pool_token_env(pdd),
-                {"name": "DAYBREAK_KV_NAMESPACE", "value": pdd.spec.kv_namespace()},
+                # No DAYBREAK_KV_NAMESPACE: the router takes each request's kvNamespace from the engine pods'
+                # label. Its credential is still one namespace's (docs/security.md), so an incompatible upgrade
+                # replaces the router pod through its Secret reference; a compatible one leaves it alone.
                 {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
                 {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
                 {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
@@ -308,6 +310,8 @@ def serving_access(pdd: PDDeployment) -> list[Manifest]:
              {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [pdd.spec.pool_ref.name],
               "verbs": ["get"]},
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+             # The router pairs prefill and decode pods by their kvNamespace label (read from the pods).
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": account},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},

@@ -153,6 +153,46 @@ def endpoints_from_pods(service: Mapping[str, Any], pods: Mapping[str, Any], *, 
     return sorted(out)
 
 
+KV_NAMESPACE_LABEL = "daybreak.dev/kv-namespace"
+
+
+def namespaces_of(addresses: list[str], labels: Mapping[str, str]) -> dict[str, str | None]:
+    """``host:port`` -> its pod's kvNamespace, from ``pod_namespace_index`` (None where unknown)."""
+    out: dict[str, str | None] = {}
+    for address in addresses:
+        host = address.rpartition(":")[0].strip("[]")
+        out[address] = labels.get(address) or labels.get(host)
+    return out
+
+
+def pod_namespace_index(pods: Mapping[str, Any]) -> dict[str, str]:
+    """``ip:containerPort`` and ``ip`` -> ``daybreak.dev/kv-namespace`` label, from a PodList.
+
+    On the local cluster several pods share one loopback IP and differ by port, so the port-qualified
+    key comes first; a bare IP whose pods disagree is left out rather than guessed.
+    """
+    out: dict[str, str] = {}
+    by_ip: dict[str, set[str]] = {}
+    for pod in pods.get("items") or []:
+        ip = (pod.get("status") or {}).get("podIP")
+        label = ((pod.get("metadata") or {}).get("labels") or {}).get(KV_NAMESPACE_LABEL)
+        if not ip or not label:
+            continue
+        by_ip.setdefault(str(ip), set()).add(str(label))
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            for cp in container.get("ports") or []:
+                if isinstance(cp.get("containerPort"), int):
+                    out[_join(str(ip), cp["containerPort"])] = str(label)
+    out.update({ip: next(iter(found)) for ip, found in by_ip.items() if len(found) == 1})
+    return out
+
+
+async def pod_kv_namespaces(api: k8s_client.ApiClient, *, namespace: str) -> dict[str, str]:
+    """``pod_namespace_index`` of the pods in ``namespace`` that carry the kvNamespace label."""
+    pods = await get_json(api, f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": KV_NAMESPACE_LABEL})
+    return pod_namespace_index(pods)
+
+
 async def ready_endpoints(api: k8s_client.ApiClient, *, namespace: str, service: str, port_name: str = "http"
                           ) -> list[str]:
     """``ip:port`` of the ready endpoints of ``service``: its EndpointSlices, else its Ready pods.

@@ -5,7 +5,9 @@ Engines come from the role Services' EndpointSlices (``--namespace``,
 (``--prefill-endpoints``, ``--decode-endpoints``). Without prefill pods
 configured the router is colocated: one step per request on ``both`` engines.
 Pool lookups need ``--kv-layout`` (block keys) and the pool (``--pool-ref`` or
-``--pool-endpoints``, token, kvNamespace); without them the router routes on
+``--pool-endpoints``, token); each request's kvNamespace is that of its
+engine pods (their ``daybreak.dev/kv-namespace`` label; ``--kv-namespace`` for
+static endpoints), so an upgrade to a new one needs no router restart. Without them the router routes on
 load alone, which is what a vLLM deployment without the prefix API gets.
 Every flag has the environment fallback named in its help, so the operator's
 pod env configures it.
@@ -67,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE"),
                    help="file holding the pool token ($DAYBREAK_POOL_TOKEN_FILE)")
     p.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE"),
-                   help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE)")
+                   help="kvNamespace of engine pods without the daybreak.dev/kv-namespace label, i.e. static "
+                   "endpoints ($DAYBREAK_KV_NAMESPACE); discovered pods carry their own")
     p.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT"),
                    help="kvLayout JSON, e.g. '{\"numLayers\":32,\"numKVHeads\":8,\"headDim\":128,"
                    "\"blockTokens\":16}' ($DAYBREAK_KV_LAYOUT); without it: no block keys, load only")
@@ -162,8 +165,8 @@ async def _main(args: argparse.Namespace) -> int:
     pool: PoolLookup | None = None
     if block_tokens and not args.no_pool_lookup and (args.pool_ref or args.pool_endpoints):
         token = _token(args)
-        if not token or not args.kv_namespace:
-            raise SystemExit("pool lookups need --token (or --token-file) and --kv-namespace; "
+        if not token:
+            raise SystemExit("pool lookups need --token (or --token-file); "
                              "or pass --no-pool-lookup to route on load and engine-local prefixes only")
         if args.pool_ref:
             namespace, _, name = str(args.pool_ref).partition("/")
@@ -186,7 +189,7 @@ async def _main(args: argparse.Namespace) -> int:
              args.prefill_service or args.prefill_endpoints or "-", args.decode_service or args.decode_endpoints,
              "pool-ref:" + args.pool_ref if pool and args.pool_ref else ("static" if pool else "off"),
              block_tokens, config.deadline_seconds, config.max_attempts, config.cost)
-    router = Router(config=config, prefill=prefill, decode=decode, pool=pool)
+    router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace)
     try:
         await serve(router, host=args.host, port=args.port, drain_seconds=args.drain_seconds)
     finally:

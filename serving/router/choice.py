@@ -24,6 +24,13 @@ so equal pods share the load instead of the first one taking it all.
 THE ROUTER KEEPS NO INDEX of which pod or pool holds what: every input here is
 asked for per request (the pool, the pods' ``/daybreak/v1/prefix``) or scraped,
 so a restarted router chooses exactly as the old one did.
+
+**kvNamespace pairing.** Prefill and decode of one request must share a
+kvNamespace (the pool keys blocks by it; mid-upgrade two are live). The router
+takes each engine pod's namespace from its ``daybreak.dev/kv-namespace`` label,
+picks the request's namespace first (``request_namespace``: the least-loaded
+decode pod's, preferring a namespace prefill pods also serve), then restricts
+both steps and the pool lookup to it (``in_namespace``).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class Candidate:
     """Leading blocks of this request in the pod's engine-local cache (0 if unknown)."""
     healthy: bool = True
     """False when the pod's last load scrape failed."""
+    kv_namespace: str | None = None
+    """The pod's kvNamespace label; None when unknown (static endpoints: the router's ``--kv-namespace``)."""
 
 
 def load_of(*, in_flight: int, running: float | None, waiting: float | None) -> int:
@@ -100,3 +109,27 @@ def skip_prefill(*, blocks: int, pool_blocks: int, pool_known: bool) -> bool:
     unreachable) the router cannot know, so it always prefills.
     """
     return pool_known and pool_blocks >= blocks
+
+
+def request_namespace(decode: Sequence[Candidate], *, prefill: Sequence[Candidate] | None = None,
+                      default: str | None = None, tiebreak: Mapping[str, int] | None = None) -> str | None:
+    """The kvNamespace a request runs in: that of the best decode pod, by load.
+
+    Only namespaces some prefill pod also serves compete when there are any (mid-upgrade a request
+    whose prefill and decode pods disagree would compute twice); with no labelled decode pod the
+    ``default`` (the router's ``--kv-namespace``) applies.
+    """
+    labelled = [c for c in decode if c.kv_namespace]
+    if not labelled:
+        return default
+    if prefill is not None:
+        served = {c.kv_namespace for c in prefill if c.kv_namespace and c.healthy}
+        labelled = [c for c in labelled if c.kv_namespace in served] or labelled
+    return rank(labelled, tiebreak=tiebreak)[0].kv_namespace
+
+
+def in_namespace(candidates: Sequence[Candidate], namespace: str | None) -> list[Candidate]:
+    """The candidates that can serve a request of ``namespace`` (an unlabelled pod serves any)."""
+    if namespace is None:
+        return list(candidates)
+    return [c for c in candidates if c.kv_namespace in (None, namespace)]

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -62,14 +62,17 @@ class PodState:
     waiting: float | None = None
     healthy: bool = True
     scraped_at: float = 0.0
+    kv_namespace: str | None = None
+    """The pod's ``daybreak.dev/kv-namespace`` label (None: static endpoints, or not known)."""
 
     def candidate(self, local_blocks: int = 0) -> Candidate:
         return Candidate(address=self.address, load=load_of(in_flight=self.in_flight, running=self.running,
                                                            waiting=self.waiting),
-                         local_blocks=local_blocks, healthy=self.healthy)
+                         local_blocks=local_blocks, healthy=self.healthy, kv_namespace=self.kv_namespace)
 
 
-EndpointLister = Callable[[], Awaitable[list[str]]]
+# Ready ``host:port`` -> the pod's kvNamespace (None where unknown).
+EndpointLister = Callable[[], Awaitable[dict[str, str | None]]]
 
 
 class RolePods:
@@ -84,11 +87,13 @@ class RolePods:
         self._pods: dict[str, PodState] = {}
         self.listed = asyncio.Event()
         if static is not None:
-            self._set(static)
+            self._set(dict.fromkeys(static))
 
-    def _set(self, addresses: list[str]) -> None:
+    def _set(self, addresses: Mapping[str, str | None]) -> None:
         old = self._pods
         self._pods = {a: old.get(a) or PodState(a) for a in addresses}
+        for address, namespace in addresses.items():
+            self._pods[address].kv_namespace = namespace
         added, removed = set(self._pods) - set(old), set(old) - set(self._pods)
         if added or removed:
             log.info("event=endpoints role=%s ready=%d added=%s removed=%s", self.role, len(self._pods),
@@ -169,9 +174,13 @@ class RolePods:
 
 
 def service_lister(api: object, *, namespace: str, service: str) -> EndpointLister:
-    """A lister of ``service``'s ready EndpointSlice endpoints (``api``: a kubernetes_asyncio ApiClient)."""
+    """A lister of ``service``'s ready endpoints with their pods' kvNamespace (``api``: a kubernetes_asyncio ApiClient)."""
 
-    async def list_ready() -> list[str]:
-        return await kube.ready_endpoints(api, namespace=namespace, service=service)  # type: ignore[arg-type]
+    async def list_ready() -> dict[str, str | None]:
+        ready = await kube.ready_endpoints(api, namespace=namespace, service=service)  # type: ignore[arg-type]
+        if not ready:
+            return {}
+        labels = await kube.pod_kv_namespaces(api, namespace=namespace)  # type: ignore[arg-type]
+        return kube.namespaces_of(ready, labels)
 
     return list_ready

@@ -55,7 +55,7 @@ from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
 from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
 from daybreak.serving.router import choice
-from daybreak.serving.router.discovery import RolePods
+from daybreak.serving.router.discovery import PodState, RolePods
 
 log = logging.getLogger(__name__)
 
@@ -90,33 +90,54 @@ class RouterConfig:
     """The choice's cost estimate."""
 
 
-class PoolLookup:
-    """How long a prefix the pool holds, through a few ``AsyncKVPoolClient``s (each serialises its calls).
+_POOL_NAMESPACES = 4  # kvNamespaces with open pool clients at once (an upgrade has two live)
 
-    The lookup is advisory: when the pool cannot be reached it answers None and the router routes
-    on load alone (and always prefills), retrying the connection at most once a second.
+
+class PoolLookup:
+    """How long a prefix the pool holds, through a few ``AsyncKVPoolClient``s per kvNamespace.
+
+    Each client serialises its calls and is bound to one kvNamespace; the request's namespace comes
+    from its engine pods' label (``namespace`` is the fallback for unlabelled, static pods). The lookup
+    is advisory: when the pool cannot be reached it answers None and the router routes on load alone
+    (and always prefills), retrying the connection at most once a second.
     """
 
-    def __init__(self, *, endpoints: EndpointLister, token: str, namespace: str, clients: int = 4) -> None:
+    def __init__(self, *, endpoints: EndpointLister, token: str, namespace: str | None = None,
+                 clients: int = 4) -> None:
         self._endpoints = endpoints
         self._token = token
         self._namespace = namespace
-        self._slots: asyncio.Queue[AsyncKVPoolClient | None] = asyncio.Queue()
-        for _ in range(clients):
-            self._slots.put_nowait(None)
+        self._clients = clients
+        self._slots: dict[str, asyncio.Queue[AsyncKVPoolClient | None]] = {}
         self._retry_at = 0.0
         self._failing = False
 
-    async def prefix(self, keys: list[str]) -> int | None:
-        """Leading ``keys`` the pool holds, or None when it could not be asked."""
+    async def _queue(self, namespace: str) -> asyncio.Queue[AsyncKVPoolClient | None]:
+        queue = self._slots.get(namespace)
+        if queue is None:
+            if len(self._slots) >= _POOL_NAMESPACES:  # the oldest namespace is the one an upgrade retired
+                oldest = next(iter(self._slots))
+                await self._close_idle(self._slots.pop(oldest))
+            queue = asyncio.Queue()
+            for _ in range(self._clients):
+                queue.put_nowait(None)
+            self._slots[namespace] = queue
+        return queue
+
+    async def prefix(self, keys: list[str], *, namespace: str | None = None) -> int | None:
+        """Leading ``keys`` the pool holds in ``namespace``, or None when it could not be asked."""
         if not keys:
             return 0
-        client = await self._slots.get()
+        namespace = namespace or self._namespace
+        if not namespace:
+            return None  # no kvNamespace known: nothing to ask
+        queue = await self._queue(namespace)
+        client = await queue.get()
         try:
             if client is None:
                 if time.monotonic() < self._retry_at:
                     return None
-                client = await self._connect()
+                client = await self._connect(namespace)
                 if client is None:
                     return None
             held = 0
@@ -139,14 +160,18 @@ class PoolLookup:
             client = None
             return None
         finally:
-            self._slots.put_nowait(client)
+            if self._slots.get(namespace) is queue:
+                queue.put_nowait(client)
+            elif client is not None:  # its namespace was evicted meanwhile
+                with contextlib.suppress(Exception):
+                    await client.close()
 
-    async def _connect(self) -> AsyncKVPoolClient | None:
+    async def _connect(self, namespace: str) -> AsyncKVPoolClient | None:
         try:
             endpoints = await self._endpoints()
             if not endpoints:
                 raise RuntimeError("the pool publishes no endpoints yet")
-            return await AsyncKVPoolClient.connect(endpoints, token=self._token, namespace=self._namespace,
+            return await AsyncKVPoolClient.connect(endpoints, token=self._token, namespace=namespace,
                                                    transport="tcp", timeout_seconds=5.0)
         except Exception as exc:
             self._note_failure(exc)
@@ -159,12 +184,18 @@ class PoolLookup:
                         type(exc).__name__)
         self._failing = True
 
-    async def close(self) -> None:
-        while not self._slots.empty():
-            client = self._slots.get_nowait()
+    @staticmethod
+    async def _close_idle(queue: asyncio.Queue[AsyncKVPoolClient | None]) -> None:
+        """Close the idle clients of ``queue``; those in use are closed when they come back."""
+        while not queue.empty():
+            client = queue.get_nowait()
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.close()
+
+    async def close(self) -> None:
+        for queue in list(self._slots.values()):
+            await self._close_idle(queue)
 
 
 class Metrics:
@@ -260,8 +291,10 @@ class Router:
     """The aiohttp application and the request path; one per process."""
 
     def __init__(self, *, config: RouterConfig, decode: RolePods, prefill: RolePods | None = None,
-                 pool: PoolLookup | None = None) -> None:
+                 pool: PoolLookup | None = None, kv_namespace: str | None = None) -> None:
         self.config = config
+        self.kv_namespace = kv_namespace
+        """``--kv-namespace``: the namespace of pods without the label (static endpoints)."""
         self.prefill = prefill
         self.decode = decode
         self.pool = pool
@@ -396,15 +429,18 @@ class Router:
         keys: list[str] = []
         if self.config.block_tokens:
             keys = await asyncio.to_thread(block_keys, prompt.tokens, self.config.block_tokens)
+        kv_namespace = self._request_namespace()
         pool_blocks: int | None = None
         if self.pool is not None:
             t = time.monotonic()
-            pool_blocks = await self.pool.prefix(keys)
+            pool_blocks = await self.pool.prefix(keys, namespace=kv_namespace)
             self.metrics.pool_lookup_seconds.observe(time.monotonic() - t)
         self.metrics.prompt_blocks.labels("all").inc(len(keys))
         self.metrics.prompt_blocks.labels("pool").inc(pool_blocks or 0)
 
         headers: dict[str, str] = {"x-request-id": rid}
+        if kv_namespace:
+            headers["x-daybreak-kv-namespace"] = kv_namespace
         prefill_usage: dict[str, Any] | None = None
         try:
             if self.prefill is not None:
@@ -420,7 +456,7 @@ class Router:
                     try:
                         address, reply = await self._json_step(
                             "prefill", self.prefill, path, prefill_body, started=started, keys=keys,
-                            pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid)
+                            pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid, kv_namespace=kv_namespace)
                         prefill_usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else None
                         headers["x-daybreak-prefill"] = address
                     except StepFailed as exc:
@@ -441,11 +477,12 @@ class Router:
                 decode_body["stream_options"] = {**options, "include_usage": True}
                 return await self._stream_step(request, path, decode_body, started=started, keys=keys,
                                                pool_blocks=decode_pool_blocks, prefill_usage=prefill_usage,
+                                               kv_namespace=kv_namespace,
                                                headers=headers, rid=rid,
                                                client_wants_usage=bool(options.get("include_usage")))
             address, reply = await self._json_step(
                 "decode", self.decode, path, decode_body, started=started, keys=keys,
-                pool_blocks=decode_pool_blocks, prefix_aware=True, rid=rid)
+                pool_blocks=decode_pool_blocks, prefix_aware=True, rid=rid, kv_namespace=kv_namespace)
             headers["x-daybreak-decode"] = address
             usage = combine_usage(prefill_usage, reply.get("usage") if isinstance(reply.get("usage"), dict)
                                   else None)
@@ -471,17 +508,38 @@ class Router:
         return (attempt < self.config.max_attempts
                 and time.monotonic() - started < self.config.deadline_seconds)
 
+    def _request_namespace(self) -> str | None:
+        """The request's kvNamespace, from the pods' labels (see ``choice.request_namespace``)."""
+        order = list(range(len(self.decode.pods())))
+        random.shuffle(order)
+        decode = [p.candidate() for p in self.decode.pods()]
+        prefill = [p.candidate() for p in self.prefill.pods()] if self.prefill is not None else None
+        return choice.request_namespace(decode, prefill=prefill, default=self.kv_namespace,
+                                        tiebreak={c.address: order[i] for i, c in enumerate(decode)})
+
+    def _pods_of(self, pods: RolePods, kv_namespace: str | None) -> list[PodState]:
+        if kv_namespace is None:
+            return pods.pods()
+        return [p for p in pods.pods() if p.kv_namespace in (None, kv_namespace)]
+
     async def _choose(self, pods: RolePods, tried: set[str], *, started: float, keys: list[str],
-                      pool_blocks: int, prefix_aware: bool) -> str | None:
+                      pool_blocks: int, prefix_aware: bool, kv_namespace: str | None = None,
+                      widen: bool = False) -> str | None:
+        """The pod for the next attempt, from pods of ``kv_namespace`` (prefill and decode of one request
+        must share the pool's namespace). ``widen`` (decode): when every such pod has been tried or none
+        is left, take a pod of another namespace; it computes what its namespace's pool lacks, slower
+        but served, where a strict choice would fail the request."""
         # No pod now (a rollout, a scale from zero): wait a little, within the deadline.
         wait_until = min(started + self.config.deadline_seconds, time.monotonic() + 5.0)
-        states = pods.pods()
-        while not states and time.monotonic() < wait_until and not self.draining:
+        states = self._pods_of(pods, kv_namespace)
+        while not states and not (widen and pods.pods()) and time.monotonic() < wait_until and not self.draining:
             await asyncio.sleep(0.1)
-            states = pods.pods()
-        if not states:
+            states = self._pods_of(pods, kv_namespace)
+        everyone = pods.pods() if widen else states
+        if not everyone:
             return None
-        fresh = [p for p in states if p.address not in tried] or states
+        fresh = ([p for p in states if p.address not in tried] or [p for p in everyone if p.address not in tried]
+                 or states or everyone)
         local: dict[str, int] = {}
         if prefix_aware and keys and len(fresh) > 1:
             local = await self._local_prefixes([p.address for p in fresh], keys)
@@ -519,15 +577,16 @@ class Router:
         return dict(zip(addresses, values, strict=True))
 
     async def _json_step(self, role: str, pods: RolePods, path: str, body: dict[str, Any], *, started: float,
-                         keys: list[str], pool_blocks: int, prefix_aware: bool, rid: str
-                         ) -> tuple[str, dict[str, Any]]:
+                         keys: list[str], pool_blocks: int, prefix_aware: bool, rid: str,
+                         kv_namespace: str | None = None) -> tuple[str, dict[str, Any]]:
         assert self._session is not None
         tried: set[str] = set()
         attempt = 0
         payload = json.dumps(body).encode()
         while True:
             address = await self._choose(pods, tried, started=started, keys=keys, pool_blocks=pool_blocks,
-                                         prefix_aware=prefix_aware)
+                                         prefix_aware=prefix_aware, kv_namespace=kv_namespace,
+                                         widen=role == "decode")
             if address is None:
                 raise StepFailed(role, "no_ready_pods")
             tried.add(address)
@@ -563,7 +622,8 @@ class Router:
 
     async def _stream_step(self, request: web.Request, path: str, body: dict[str, Any], *, started: float,
                            keys: list[str], pool_blocks: int, prefill_usage: dict[str, Any] | None,
-                           headers: dict[str, str], rid: str, client_wants_usage: bool) -> web.StreamResponse:
+                           headers: dict[str, str], rid: str, client_wants_usage: bool,
+                           kv_namespace: str | None = None) -> web.StreamResponse:
         assert self._session is not None
         role = "decode"
         state = _Stream()
@@ -573,7 +633,7 @@ class Router:
         reason = "no_ready_pods"
         while True:
             address = await self._choose(self.decode, tried, started=started, keys=keys, pool_blocks=pool_blocks,
-                                         prefix_aware=True)
+                                         prefix_aware=True, kv_namespace=kv_namespace, widen=True)
             if address is None:
                 break
             tried.add(address)

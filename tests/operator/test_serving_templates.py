@@ -98,7 +98,8 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespac
     # Even with the pool's own secretRef, the router gets the namespace credential, not the pool secret.
     assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {
         "name": credential_secret_name("sim-llama", pdd.spec.kv_namespace()), "key": "token", "optional": False}}
-    assert env["DAYBREAK_KV_NAMESPACE"]["value"] == pdd.spec.kv_namespace()
+    # The kvNamespace comes from the engine pods' label per request.
+    assert "DAYBREAK_KV_NAMESPACE" not in env
     assert json.loads(env["DAYBREAK_KV_LAYOUT"]["value"]) == pdd.spec.model.kv_layout.to_dict()
     # No DNS on the data path: nothing names a Service host.
     assert not [e for e in env.values() if ".svc" in str(e.get("value") or "")]
@@ -107,7 +108,7 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespac
     assert _refs_defined_before_use(container) == []
 
 
-def test_serving_pods_may_read_their_pool_and_endpointslices_and_nothing_else() -> None:
+def test_serving_pods_may_read_their_pool_endpointslices_and_pods_and_nothing_else() -> None:
     out = pdd_mod.build(_pdd(), _pool(), image=IMAGE)
     by_kind = {m["kind"]: m for m in out.access}
     assert [m["kind"] for m in out.access] == ["ServiceAccount", "Role", "RoleBinding"]
@@ -115,6 +116,7 @@ def test_serving_pods_may_read_their_pool_and_endpointslices_and_nothing_else() 
     assert by_kind["Role"]["rules"] == [
         {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": ["kv-minimal"], "verbs": ["get"]},
         {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     ]
     assert by_kind["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "sim-llama-serving",
                                                    "namespace": "ns1"}]
@@ -146,3 +148,27 @@ def test_agents_listen_on_their_own_address_so_fake_nodes_can_share_a_host() -> 
     assert env["DAYBREAK_LISTEN"]["value"] == "$(DAYBREAK_POD_IP):7400"
     assert env["DAYBREAK_ADVERTISE"]["value"] == "$(DAYBREAK_POD_IP):7400"
     assert _refs_defined_before_use(container) == []
+
+
+def test_a_model_revision_upgrade_changes_the_router_only_through_its_credential() -> None:
+    """A new kvNamespace changes the engine templates; the router's template differs only in which namespace
+    credential it mounts (the router reads each request's namespace from the engine pods' labels)."""
+    pool = _pool()
+    pdd = _pdd()
+    before = pdd_mod.build(pdd, pool, image=IMAGE)
+    upgraded = pdd.model_copy(deep=True)
+    upgraded.spec.model.revision = "v2-upgraded"
+    after = pdd_mod.build(upgraded, pool, image=IMAGE)
+    assert upgraded.spec.kv_namespace() != pdd.spec.kv_namespace()
+    assert _workload(after, Role.DECODE)["spec"]["template"] != _workload(before, Role.DECODE)["spec"]["template"]
+    old_router = _workload(before, Role.ROUTER)["spec"]["template"]
+    new_router = _workload(after, Role.ROUTER)["spec"]["template"]
+
+    def token_ref(template: dict) -> str:
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        return str(env["DAYBREAK_POOL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"])
+
+    assert token_ref(new_router) == credential_secret_name("sim-llama", upgraded.spec.kv_namespace())
+    json_old = json.dumps(old_router, sort_keys=True).replace(token_ref(old_router), "CRED")
+    json_new = json.dumps(new_router, sort_keys=True).replace(token_ref(new_router), "CRED")
+    assert json_old == json_new

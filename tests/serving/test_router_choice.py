@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-from daybreak.serving.kube import endpoints_from_pods, endpoints_from_pool, endpoints_from_slices
+import asyncio
+import time
+
+from daybreak.serving.kube import (
+    endpoints_from_pods,
+    endpoints_from_pool,
+    endpoints_from_slices,
+    namespaces_of,
+    pod_namespace_index,
+)
 from daybreak.serving.router.choice import (
     Candidate,
     CostModel,
+    in_namespace,
     load_of,
     pool_prefix,
     prefill_cost,
     rank,
+    request_namespace,
     skip_prefill,
 )
-from daybreak.serving.router.discovery import parse_load
-from daybreak.serving.router.server import combine_usage
+from daybreak.serving.router.discovery import RolePods, parse_load
+from daybreak.serving.router.server import Router, RouterConfig, combine_usage
 
 MODEL = CostModel(compute_block_seconds=0.01, load_block_seconds=0.001, queue_seconds=0.05)
 
@@ -143,3 +154,91 @@ def test_pool_status_endpoints_are_objects_with_address_and_port() -> None:
                                      {"node": "n2", "address": "127.0.1.2", "port": 0}, "127.0.0.1:1", None]}}
     assert endpoints_from_pool(pool) == ["127.0.1.1:7480"]
     assert endpoints_from_pool({}) == []
+
+
+def test_the_request_namespace_is_the_best_decode_pods_among_those_prefill_also_serves() -> None:
+    old = Candidate("10.0.0.1:8000", load=0, kv_namespace="ns-old")
+    new = Candidate("10.0.0.2:8000", load=3, kv_namespace="ns-new")
+    assert request_namespace([old, new]) == "ns-old"  # colocated: the least-loaded pod's
+    # Mid-upgrade prefill already rolled: only the new namespace can pair, though its decode pod is busier.
+    assert request_namespace([old, new], prefill=[Candidate("10.0.1.1:8000", kv_namespace="ns-new")]) == "ns-new"
+    # A prefill namespace no decode pod serves changes nothing (decode computes what the pool lacks).
+    assert request_namespace([old, new], prefill=[Candidate("10.0.1.1:8000", kv_namespace="ns-x")]) == "ns-old"
+    # An unhealthy prefill pod does not pull requests into its namespace.
+    sick = Candidate("10.0.1.1:8000", kv_namespace="ns-new", healthy=False)
+    assert request_namespace([old, new], prefill=[sick]) == "ns-old"
+    # Static endpoints carry no label: the router's --kv-namespace.
+    assert request_namespace([Candidate("127.0.0.1:1")], default="sim") == "sim"
+    assert request_namespace([], default=None) is None
+
+
+def test_only_pods_of_the_request_namespace_or_unlabelled_ones_are_candidates() -> None:
+    pods = [Candidate("a:1", kv_namespace="n1"), Candidate("b:1", kv_namespace="n2"), Candidate("c:1")]
+    assert [c.address for c in in_namespace(pods, "n1")] == ["a:1", "c:1"]
+    assert [c.address for c in in_namespace(pods, None)] == ["a:1", "b:1", "c:1"]
+
+
+def _pod(ip: str, label: str | None, port: int = 8000) -> dict[str, object]:
+    labels = {"daybreak.dev/kv-namespace": label} if label else {}
+    return {"metadata": {"labels": labels}, "status": {"podIP": ip},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]}}
+
+
+def test_endpoints_take_the_kv_namespace_of_their_pod() -> None:
+    index = pod_namespace_index({"items": [_pod("10.0.0.1", "n1"), _pod("fd00::2", "n2"), _pod("10.0.0.5", None),
+                                           # the local cluster: two pods on one loopback IP, told apart by port
+                                           _pod("127.0.0.1", "old", 9001), _pod("127.0.0.1", "new", 9002)]})
+    assert namespaces_of(["10.0.0.1:8000", "[fd00::2]:8000", "10.0.0.9:8000", "10.0.0.5:8000",
+                          "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"], index) == {
+        "10.0.0.1:8000": "n1", "[fd00::2]:8000": "n2", "10.0.0.9:8000": None, "10.0.0.5:8000": None,
+        "127.0.0.1:9001": "old", "127.0.0.1:9002": "new", "127.0.0.1:9003": None}
+    # Slices may name a port the pod spec does not list: the IP alone answers when unambiguous.
+    assert namespaces_of(["10.0.0.1:1234"], index) == {"10.0.0.1:1234": "n1"}
+
+
+def test_the_router_pairs_prefill_and_decode_pods_of_one_kv_namespace() -> None:
+    """Mid-upgrade both namespaces are live in both roles: every request's two pods share one."""
+    prefill = RolePods("prefill", static=["10.0.1.1:8000", "10.0.1.2:8000"])
+    decode = RolePods("decode", static=["10.0.2.1:8000", "10.0.2.2:8000"])
+    namespace_of = {"10.0.1.1:8000": "ns-old", "10.0.2.1:8000": "ns-old",
+                    "10.0.1.2:8000": "ns-new", "10.0.2.2:8000": "ns-new"}
+    for pods in (prefill, decode):
+        for pod in pods.pods():
+            pod.kv_namespace = namespace_of[pod.address]
+    router = Router(config=RouterConfig(), prefill=prefill, decode=decode)
+
+    async def one_request() -> tuple[str | None, str | None, str | None]:
+        ns = router._request_namespace()
+        pair = []
+        for pods in (prefill, decode):
+            pair.append(await router._choose(pods, set(), started=time.monotonic(), keys=[], pool_blocks=0,
+                                             prefix_aware=False, kv_namespace=ns))
+        return ns, pair[0], pair[1]
+
+    seen = set()
+    for _ in range(40):
+        ns, p, d = asyncio.run(one_request())
+        assert p is not None and d is not None
+        assert namespace_of[p] == namespace_of[d] == ns, (ns, p, d)
+        seen.add(ns)
+    assert seen == {"ns-old", "ns-new"}  # equal pods share the load across namespaces too
+
+
+def test_decode_falls_back_to_another_namespace_once_its_own_pods_are_tried_and_prefill_does_not() -> None:
+    prefill = RolePods("prefill", static=["10.0.1.1:8000"])
+    decode = RolePods("decode", static=["10.0.2.1:8000", "10.0.2.2:8000"])
+    for pod, ns in zip([*prefill.pods(), *decode.pods()], ["ns-old", "ns-old", "ns-new"], strict=True):
+        pod.kv_namespace = ns
+    router = Router(config=RouterConfig(deadline_seconds=0.3), prefill=prefill, decode=decode)
+
+    async def choose(pods: RolePods, tried: set[str], *, widen: bool) -> str | None:
+        return await router._choose(pods, tried, started=time.monotonic(), keys=[], pool_blocks=0,
+                                    prefix_aware=False, kv_namespace="ns-old", widen=widen)
+
+    assert asyncio.run(choose(decode, set(), widen=True)) == "10.0.2.1:8000"  # its own namespace first
+    # The old pod answered 503 (draining): the retry goes to the new namespace rather than failing.
+    assert asyncio.run(choose(decode, {"10.0.2.1:8000"}, widen=True)) == "10.0.2.2:8000"
+    # Prefill never leaves the namespace: a prefill elsewhere writes blocks this request cannot use.
+    assert asyncio.run(choose(prefill, set(), widen=False)) == "10.0.1.1:8000"
+    prefill.pods()[0].kv_namespace = "ns-new"
+    assert asyncio.run(choose(prefill, set(), widen=False)) is None

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from daybreak.serving.prompt import block_keys
+from daybreak.serving.router.server import PoolLookup
 from daybreak.serving.sim.server import output_text
 from daybreak.testing.serving_stack import Stack, metric_sum
 
@@ -249,3 +254,79 @@ def test_load_summary_hit_rate_agrees_with_the_engines_metrics(stack: Stack, tmp
                   for t in texts)
     assert summary["bytes_written"] == written > 0
     assert summary["ttft_p50_s"] > 0 and summary["itl_p50_s"] > 0
+
+
+def _hold_stream(address: str, stop: threading.Event) -> None:
+    """Keep one long streamed request in flight on ``address`` (read slowly) until ``stop``."""
+    host, port = address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"prompt": "hold " * 8, "max_tokens": 100000, "stream": True}))
+        r = conn.getresponse()
+        while not stop.wait(0.05) and r.readline():
+            pass
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def test_a_draining_engine_answering_503_fails_no_request(stack: Stack) -> None:
+    """An engine that is draining refuses new requests with 503: the router retries them on another pod."""
+    stack.engine("prefill")
+    draining, good = stack.engine("decode"), stack.engine("decode")
+    stop = threading.Event()
+    # One stream keeps the draining engine in its drain; two on the good one make the draining engine
+    # look cheaper, so the router picks it first and must retry every request past its 503.
+    holders = [threading.Thread(target=_hold_stream, args=(a, stop), daemon=True)
+               for a in (draining.address, good.address, good.address)]
+    for t in holders:
+        t.start()
+    router = stack.start_router()
+    try:
+        wait_until = time.monotonic() + 30
+        while metric_sum(draining.metrics(), "vllm:num_requests_running") < 1 or \
+                metric_sum(good.metrics(), "vllm:num_requests_running") < 2:
+            assert time.monotonic() < wait_until, "held streams never started"
+            time.sleep(0.1)
+        assert draining.proc is not None
+        draining.proc.send_signal(signal.SIGTERM)
+        status, _, _ = post(draining.address, {"prompt": "direct", "max_tokens": 2})
+        assert status == 503  # the engine really is refusing while it drains
+        time.sleep(1.0)  # the router's scrape sees the loads
+        results = [post(router.address, {"prompt": f"request {i} " * 10, "max_tokens": 4, "stream": i % 2 == 1})
+                   for i in range(8)]
+        assert [s for s, _, _ in results] == [200] * 8, [b[:200] for _, _, b in results]
+        assert {h["x-daybreak-decode"] for _, h, _ in results} == {good.address}
+        assert metric_sum(router.metrics(), 'daybreak_router_retries_total{role="decode"}') >= 1
+        assert metric_sum(router.metrics(), "daybreak_router_request_failures_total") == 0
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(timeout=10)
+
+
+def test_pool_lookups_ask_the_kv_namespace_of_each_request(stack: Stack) -> None:
+    """One router, two kvNamespaces (an upgrade): each lookup sees only what its namespace holds."""
+    stack.engine("prefill")
+    stack.engine("decode")
+    router = stack.start_router()
+    tokens = list(range(BLOCK_TOKENS * 4 + 1))
+    status, _, _ = post(router.address, {"prompt": tokens, "max_tokens": 1})
+    assert status == 200  # prefill wrote the blocks under the engines' namespace
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    addresses = [a.address for a in stack.agents]
+
+    async def endpoints() -> list[str]:
+        return addresses
+
+    async def lookups() -> tuple[int | None, int | None, int | None]:
+        pool = PoolLookup(endpoints=endpoints, token=stack.token_file.read_text().strip(), namespace="other")
+        try:
+            return (await pool.prefix(keys, namespace=stack.kv_namespace),
+                    await pool.prefix(keys, namespace="a-new-revision"), await pool.prefix(keys))
+        finally:
+            await pool.close()
+
+    assert asyncio.run(lookups()) == (4, 0, 0)

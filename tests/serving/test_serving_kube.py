@@ -74,12 +74,13 @@ def make_service(api: httpx.Client, name: str, *, role: str) -> None:
                  "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}}))
 
 
-def make_pod(api: httpx.Client, name: str, *, role: str, port: int, ready: bool) -> None:
+def make_pod(api: httpx.Client, name: str, *, role: str, port: int, ready: bool, kv_namespace: str = "sim") -> None:
     """A pod as a kubelet would report it: bound, with a loopback IP and its Ready condition."""
     base = f"/api/v1/namespaces/{NS}/pods"
     if api.get(f"{base}/{name}").status_code == 404:
+        labels = {"test-role": role, "daybreak.dev/kv-namespace": kv_namespace}
         _ok(api.post(base, json={
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"test-role": role}},
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
             "spec": {"nodeName": "node-0", "containers": [{"name": "engine", "image": "daybreak",
                                                            "ports": [{"name": "http", "containerPort": port}]}]}}))
     status = {"status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
@@ -145,12 +146,14 @@ def test_router_discovers_engines_through_the_api_and_the_pool_from_its_status(k
                                     extra=["--namespace", NS, "--prefill-service", "served-prefill",
                                            "--decode-service", "served-decode", "--refresh-seconds", "0.3",
                                            "--pool-ref", f"{NS}/served", "--token-file", str(stack.token_file),
-                                           "--kv-namespace", stack.kv_namespace])
+                                           "--kv-namespace", "not-the-engines"])
         url = f"http://{router.address}"
         _wait("both decode pods", lambda: httpx.get(f"{url}/health").json()["decode_pods"] == 2)
         body = {"prompt": list(range(16 * 6)), "max_tokens": 2}
         first = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert first.status_code == 200 and first.headers["x-daybreak-prefill"] == prefill.address
+        # The kvNamespace is the engine pods' label read through the API, not the router's flag.
+        assert first.headers["x-daybreak-kv-namespace"] == stack.kv_namespace
         # The pool, found through the KVPool's status, now holds the prompt: prefill is skipped.
         second = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert second.status_code == 200 and second.headers["x-daybreak-prefill"] == "skipped"
