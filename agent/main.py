@@ -255,6 +255,9 @@ def _store_hooks(server: Any) -> dict[str, Any]:
         return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
     hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage}
+    ledger = getattr(server, "flush_ledger", None)
+    if ledger is not None:  # what this agent freed for its KVPool's status.flushRequests, for KVNode
+        hooks["namespace_flushes"] = ledger.reports
     datapath = getattr(server, "datapath", None)
     if datapath is not None:  # per-transport conditions and the engine's segments, for KVNode
         hooks["transfer_state"] = lambda: (datapath.preflight.conditions(), datapath.descriptors())
@@ -263,13 +266,20 @@ def _store_hooks(server: Any) -> dict[str, Any]:
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:
     """Keep the store's peer list equal to the endpoints the operator publishes on our KVPool."""
+    from daybreak.agent.flush import flush_requests
     from daybreak.agent.membership import follow_pool_endpoints
     from daybreak.agent.publish import load_client
+
+    ledger = getattr(server, "flush_ledger", None)
+
+    def on_pool(obj: dict[str, Any]) -> None:
+        if ledger is not None:  # the operator's flush requests: this agent flushes its own store, in-process
+            ledger.apply(flush_requests(obj))
 
     api = await load_client(settings.kubeconfig)
     try:
         await follow_pool_endpoints(api, namespace=settings.pool_namespace, pool=settings.pool_name,
-                                    on_change=server.set_peers, stop=stop,
+                                    on_change=server.set_peers, stop=stop, on_pool=on_pool,
                                     on_deleted=lambda: setattr(server, "flush_on_stop", True))
     finally:
         await api.close()
@@ -309,6 +319,10 @@ def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> in
                 loop.call_soon_threadsafe(done.set)
 
         threading.Thread(target=bridge, daemon=True, name="stop-bridge").start()
+        if server is not None:
+            from daybreak.agent.flush import FlushLedger
+
+            server.flush_ledger = FlushLedger(server.service.flush_namespace)
         kwargs = _store_hooks(server) if server is not None else {}
         side: list[asyncio.Task[None]] = []
         if server is not None and settings.pool_name and settings.pool_namespace:

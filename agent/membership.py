@@ -32,8 +32,11 @@ def pool_endpoints(pool: Mapping[str, Any]) -> list[str]:
 
 async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str,
                                 on_change: Callable[[list[str]], None], stop: asyncio.Event,
-                                timeout_seconds: int = 300, on_deleted: Callable[[], None] | None = None) -> None:
+                                timeout_seconds: int = 300, on_deleted: Callable[[], None] | None = None,
+                                on_pool: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Call ``on_change`` with the pool's endpoint list whenever it changes, until ``stop`` is set.
+
+    ``on_pool`` sees every version of the pool object (the agent's flush requests, ``agent/flush.py``).
 
     ``on_deleted`` runs when the pool itself is deleted (its agent then flushes its tier on stop).
     """
@@ -54,7 +57,13 @@ async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, po
                     if on_deleted is not None:
                         on_deleted()
                 else:
-                    addresses = pool_endpoints(event.get("raw_object") or {})
+                    obj = event.get("raw_object") or {}
+                    addresses = pool_endpoints(obj)
+                    if on_pool is not None:
+                        try:
+                            on_pool(obj)
+                        except Exception:  # a failed flush must not stop the membership watch
+                            log.exception("event=pool_callback_failed pool=%s/%s", namespace, pool)
                 if addresses != current:
                     log.info("event=pool_members pool=%s/%s members=%d addresses=%s", namespace, pool,
                              len(addresses), ",".join(addresses))

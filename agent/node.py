@@ -43,8 +43,10 @@ class NodeAgent:
 
     def __init__(self, settings: AgentSettings, *, store_segments: SegmentSource | None = None,
                  tier_usage: UsageSource | None = None, registrar_factory: RegistrarFactory | None = None,
-                 transfer_state: Callable[[], Any] | None = None) -> None:
+                 transfer_state: Callable[[], Any] | None = None,
+                 namespace_flushes: Callable[[], Any] | None = None) -> None:
         self.settings = settings
+        self._flushes: Callable[[], Any] = namespace_flushes or (lambda: [])
         # The store's transfer engine: (per-transport conditions, segment descriptors) for KVNode
         self._transfer: Callable[[], Any] = transfer_state or (lambda: ([], []))
         self._segments = store_segments or (lambda: ())
@@ -152,7 +154,8 @@ class NodeAgent:
         status = kvnode_status(self.topology, self.registrar, node_name=s.node_name,
                                segments=list(self._registered.values()), capacity=self.capacity(),
                                used=self._usage(), now=now, ready_since=self._ready_since or now,
-                               transfer=self._transfer()[0], engine_segments=self._transfer()[1])
+                               transfer=self._transfer()[0], engine_segments=self._transfer()[1],
+                               namespace_flushes=self._flushes())
         desired.clear()
         desired.update(labels)
         await publisher.publish(labels, status)
@@ -170,7 +173,8 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
                          tier_usage: UsageSource | None = None, stop: asyncio.Event | None = None,
                          started: Callable[[NodeAgent], None] | None = None,
                          registrar_factory: RegistrarFactory | None = None,
-                         transfer_state: Callable[[], Any] | None = None) -> None:
+                         transfer_state: Callable[[], Any] | None = None,
+                         namespace_flushes: Callable[[], Any] | None = None) -> None:
     """Cluster mode: discover -> register -> publish, refreshing until ``stop``; always cleans up.
 
     ``started`` is called once discovery and registration are done (the process main can hand the
@@ -179,7 +183,8 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
         raise ValueError("node_name: cluster mode needs the node name (DAYBREAK_NODE_NAME from the downward API)")
     stop = stop or asyncio.Event()
     agent = NodeAgent(settings, store_segments=store_segments, tier_usage=tier_usage,
-                      registrar_factory=registrar_factory, transfer_state=transfer_state)
+                      registrar_factory=registrar_factory, transfer_state=transfer_state,
+                      namespace_flushes=namespace_flushes)
     try:
         await agent.start()
         if started is not None:

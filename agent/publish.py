@@ -35,6 +35,7 @@ from daybreak.api.node import (
     KVNode,
     KVNodeSpec,
     KVNodeStatus,
+    NamespaceFlush,
     NicRegistration,
     NodeAccelerator,
     NodeLink,
@@ -128,7 +129,8 @@ def _attributes(bus_id: str | None, root: str | None) -> dict[str, str]:
 def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str, segments: Sequence[Segment] = (),
                   capacity: Mapping[str, int] | None = None, used: Mapping[str, int] | None = None,
                   now: datetime | None = None, ready_since: datetime | None = None,
-                  transfer: Sequence[Mapping[str, Any]] = (), engine_segments: Sequence[str] = ()) -> KVNodeStatus:
+                  transfer: Sequence[Mapping[str, Any]] = (), engine_segments: Sequence[str] = (),
+                  namespace_flushes: Sequence[NamespaceFlush] = ()) -> KVNodeStatus:
     """The KVNode status for one refresh; ``ready_since`` is the first successful publish (transition time)."""
     now = now or datetime.now(UTC)
     accelerators = [NodeAccelerator(id=g.id, pci_bus_id=g.pci_bus_id, numa_node=g.numa_node, vendor=g.vendor,
@@ -165,7 +167,7 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
         transports=registrar.transports(), segments=node_segments,
         capacity=NodeTierBytes(**dict(capacity or {})), used=NodeTierBytes(**dict(used or {})),
         agent_version=__version__, heartbeat_time=now.isoformat().replace("+00:00", "Z"), conditions=conditions,
-        transfer=transports, engine_segments=list(engine_segments),
+        transfer=transports, engine_segments=list(engine_segments), namespace_flushes=list(namespace_flushes),
     )
 
 

@@ -216,6 +216,17 @@ class Endpoint(ApiModel):
     """Transports this agent offers."""
 
 
+class FlushRequest(ApiModel):
+    """A retired kvNamespace every agent of the pool deletes from its own store (updateStrategy.cache: flush)."""
+
+    kv_namespace: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    """The namespace whose blocks (keys ``<kvNamespace>/...``) are deleted."""
+    requested_by: str = ""
+    """The PDDeployment (``namespace/name``) that retired it."""
+    requested_at: str = ""
+    """When the operator asked (RFC 3339); with kvNamespace it names the request the agents report on."""
+
+
 class KVPoolStatus(ApiModel):
     """Observed state of the pool, written by the operator."""
 
@@ -231,6 +242,8 @@ class KVPoolStatus(ApiModel):
     """Bytes in use, per tier."""
     endpoints: list[Endpoint] = Field(default_factory=list)
     """Ready agents."""
+    flush_requests: list[FlushRequest] = Field(default_factory=list)
+    """Retired kvNamespaces the agents are to flush; each agent reports on its KVNode (status.namespaceFlushes)."""
 
 
 class KVPool(CustomResource):

@@ -151,6 +151,23 @@ class NodeTransport(ApiModel):
     """Bytes of requests that preferred this transport but completed on a later one of their chain."""
 
 
+class NamespaceFlush(ApiModel):
+    """What this node's agent deleted for one KVPool flush request (status.flushRequests there)."""
+
+    kv_namespace: str
+    """The flushed namespace."""
+    requested_at: str = ""
+    """The request's requestedAt (a newer request for the same namespace is flushed again)."""
+    bytes_freed: int = Field(default=0, ge=0)
+    """Bytes deleted from this node's tiers."""
+    blocks: int = Field(default=0, ge=0)
+    """Blocks deleted."""
+    busy: int = Field(default=0, ge=0)
+    """Blocks left because a reader held them (they age out)."""
+    flushed_at: str = ""
+    """When the agent flushed (RFC 3339)."""
+
+
 class KVNodeStatus(ApiModel):
     """What the node's agent found and serves."""
 
@@ -188,6 +205,8 @@ class KVNodeStatus(ApiModel):
     """Bytes the node's store can hold, per tier."""
     used: NodeTierBytes | None = None
     """Bytes in use, per tier."""
+    namespace_flushes: list[NamespaceFlush] = Field(default_factory=list)
+    """The agent's answers to its KVPool's status.flushRequests (dropped when the request is)."""
     agent_version: str | None = None
     """Version of the agent that wrote this status."""
     heartbeat_time: str | None = None

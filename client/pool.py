@@ -253,6 +253,34 @@ class KVPoolClient:
                 removed[i] = removed[i] or info.status == p.Status.OK
         return removed
 
+    def flush_namespace(self, namespace: str) -> int:
+        """Delete every block of ``namespace`` from every live agent; returns the bytes freed, summed.
+
+        Needs the pool secret (any namespace) or ``namespace``'s own credential. Raises
+        KVPoolAuthorizationError when the credential does not allow it, KVPoolError naming the agents
+        that could not be flushed (their blocks age out instead); a retry flushes what is left."""
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE.pattern}")
+        self._refresh(force=True)
+        freed = 0
+        failed = []
+        for agent in list(self._members):
+            try:
+                freed += self._connect(agent).flush_namespace(namespace).bytes_freed
+            except KVPoolError:
+                raise
+            except RemoteError as exc:
+                self._conns.pop(agent, None)
+                if "not authorized" in str(exc):
+                    raise KVPoolAuthorizationError(str(exc)) from None
+                failed.append(f"{self._members.get(agent, agent)}: {exc}")
+            except (OSError, p.ProtocolError) as exc:
+                self._mark_down(agent, str(exc) or type(exc).__name__)
+                failed.append(f"{self._members.get(agent, agent)}: {exc}")
+        if failed:
+            raise KVPoolError(f"flush of {namespace} freed {freed} bytes but failed on: " + "; ".join(failed))
+        return freed
+
     def members(self) -> list[str]:
         """Addresses of the live agents this client currently places keys on."""
         return [self._members[a] for a in self._live()]

@@ -596,6 +596,7 @@ class Controller:
         status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
                                 generation=generation, held=tuple(hold))
         self._retire_namespace(body, pdd, old_status, status, workloads)
+        await self._flush_retired(body, pool_body, status)
         await self._write_status(key, PDDEPLOYMENT, stored, status)
         return "success"
 
@@ -622,14 +623,69 @@ class Controller:
             return
         old_ns = str(retiring.get("kvNamespace"))
         if policy == "flush":
-            message = (f"flush of {old_ns} requested, but the agents have no namespace-wide delete yet: its blocks "
-                       "age out under the pool's watermarks like preserve")
-            self.events.record(body, reason="KVNamespaceFlushUnavailable", message=message, type=WARNING)
+            # The operator holds no store credential: the agents flush (see _flush_retired).
+            message = f"{old_ns} retired; flush requested from the pool's agents (KVPool status.flushRequests)"
+            self.events.record(body, reason="KVNamespaceFlushRequested", message=message)
         else:
             message = f"{old_ns} retired; its blocks stay until the pool's watermarks evict them"
             self.events.record(body, reason="KVNamespaceRetired", message=message)
         status["retiredKVNamespace"] = {**retiring, "policy": policy, "retiredAt": now, "message": message}
         status["retiringKVNamespace"] = None
+
+    async def _flush_retired(self, body: Manifest, pool_body: Manifest, status: dict[str, Any]) -> None:
+        """updateStrategy.cache flush: ask the pool's agents through the KVPool status, then sum their KVNode reports.
+
+        The request is (kvNamespace, retiredAt) in ``status.flushRequests`` of the KVPool; each agent flushes
+        its own store in-process and lists what it freed in its KVNode's ``status.namespaceFlushes``. Once
+        every agent of the pool (its endpoints) has answered, the sum goes to retiredKVNamespace.bytesFreed,
+        an Event says so and the request leaves the KVPool. Until then each reconcile (or resync) looks again.
+        """
+        retired = status.get("retiredKVNamespace") or {}
+        if retired.get("policy") != "flush" or retired.get("bytesFreed") is not None or not retired.get("retiredAt"):
+            return
+        try:
+            await self._flush_step(body, pool_body, status, retired)
+        except KubeError as exc:  # the deployment's own status still gets written; the next reconcile retries
+            logger.warning("cache flush step failed kvNamespace=%s status=%s error=%s; retrying at the next "
+                           "reconcile", retired.get("kvNamespace"), exc.status, exc)
+
+    async def _flush_step(self, body: Manifest, pool_body: Manifest, status: dict[str, Any],
+                          retired: dict[str, Any]) -> None:
+        old_ns, at = str(retired.get("kvNamespace")), str(retired["retiredAt"])
+        meta = body["metadata"]
+        pool_meta = pool_body["metadata"]
+        pool_status = pool_body.get("status") or {}
+        requests = list(pool_status.get("flushRequests") or [])
+        mine = {"kvNamespace": old_ns, "requestedAt": at}
+        if not any(r.get("kvNamespace") == old_ns and r.get("requestedAt") == at for r in requests):
+            self.applier.check_leader()
+            entry = {**mine, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
+            updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": [
+                *requests, entry]}}, namespace=pool_meta["namespace"], subresource="status")
+            self.pools[(pool_meta["namespace"], pool_meta["name"])] = updated
+            logger.info("flush requested namespace=%s name=%s kvNamespace=%s pool=%s", meta["namespace"],
+                        meta["name"], old_ns, pool_meta["name"])
+            return
+        nodes = {e.get("node") for e in pool_status.get("endpoints") or []} - {None, ""}
+        freed: dict[str, int] = {}
+        for kvnode in await self.client.list(KVNODE) if nodes else []:
+            node = (kvnode.get("spec") or {}).get("nodeName") or (kvnode.get("metadata") or {}).get("name")
+            for report in (kvnode.get("status") or {}).get("namespaceFlushes") or []:
+                if node in nodes and report.get("kvNamespace") == old_ns and report.get("requestedAt") == at:
+                    freed[str(node)] = int(report.get("bytesFreed") or 0)
+        if set(freed) != nodes:
+            return  # an agent has not answered yet
+        total = sum(freed.values())
+        retired["bytesFreed"] = total
+        retired["message"] = f"{old_ns} flushed: {total} bytes freed on {len(nodes)} agents"
+        status["retiredKVNamespace"] = retired
+        metrics.CACHE_FLUSHED_BYTES.labels(namespace=meta["namespace"], deployment=meta["name"]).inc(total)
+        self.events.record(body, reason="KVNamespaceFlushed", message=retired["message"])
+        self.applier.check_leader()
+        rest = [r for r in requests if not (r.get("kvNamespace") == old_ns and r.get("requestedAt") == at)]
+        updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": rest}},
+                                                namespace=pool_meta["namespace"], subresource="status")
+        self.pools[(pool_meta["namespace"], pool_meta["name"])] = updated
 
     async def _remove_router(self, ns: str, names: tuple[str, str]) -> None:
         deployment, service = names

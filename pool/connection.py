@@ -179,6 +179,11 @@ class Connection:
         _, raw = self._call(p.Op.PING, p.MembersReply([me]).encode())
         return p.MembersReply.decode(raw).members
 
+    def flush_namespace(self, namespace: str) -> p.FlushReply:
+        """Delete every block of ``namespace`` on this agent (pool secret, or that namespace's credential)."""
+        _, raw = self._call(p.Op.FLUSH_NAMESPACE, p.NamespaceRequest(namespace).encode())
+        return p.FlushReply.decode(raw)
+
     def stats(self) -> dict[str, str]:
         _, raw = self._call(p.Op.STATS, b"")
         text = p.TextReply.decode(raw).text

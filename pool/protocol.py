@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daybreak.errors import DaybreakError
+from daybreak.pool.credentials import NAMESPACE_PATTERN
 from daybreak.pool.sockets import recv_exact
 
 MAGIC = b"DBKV"
@@ -76,6 +77,7 @@ class Op(enum.IntEnum):
     SEGMENTS = 15    # the agent's registered segments: (tier, index, descriptor JSON) each
     XLOCATE = 16     # engine get: reply holds (segment id, offset) per key and a lease to RELEASE
     XALLOC = 17      # engine put: reserve (any tier), reply holds (segment id, offset); COMMIT publishes
+    FLUSH_NAMESPACE = 18  # delete every block of one kvNamespace from this agent; reply: what was freed
     REPLY = 64
     ERROR = 65
 
@@ -603,6 +605,45 @@ class SegmentsReply:
         return cls(out)
 
 
+@dataclass
+class NamespaceRequest:
+    """FLUSH_NAMESPACE: the kvNamespace whose blocks (keys starting ``<namespace>/``) are deleted."""
+
+    namespace: str
+
+    def encode(self) -> bytes:
+        return bytes(Writer().text(self.namespace, limit=MAX_KEY_BYTES).buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> NamespaceRequest:
+        r = Reader(raw)
+        msg = cls(r.text(limit=MAX_KEY_BYTES))
+        r.end()
+        if not NAMESPACE_PATTERN.fullmatch(msg.namespace):
+            raise ProtocolError(f"namespace {msg.namespace!r} does not match {NAMESPACE_PATTERN.pattern}")
+        return msg
+
+
+@dataclass
+class FlushReply:
+    """FLUSH_NAMESPACE: what one agent deleted; ``busy`` blocks were being read and are left to age out."""
+
+    blocks: int
+    bytes_freed: int
+    busy: int = 0
+    pointers: int = 0
+
+    def encode(self) -> bytes:
+        return bytes(Writer().u64(self.blocks).u64(self.bytes_freed).u64(self.busy).u64(self.pointers).buf)
+
+    @classmethod
+    def decode(cls, raw: Raw) -> FlushReply:
+        r = Reader(raw)
+        msg = cls(r.u64(), r.u64(), r.u64(), r.u64())
+        r.end()
+        return msg
+
+
 # Which metadata record each request op carries (used by the server's dispatcher and the fuzzer).
 REQUEST_TYPES: dict[Op, Any] = {
     Op.HELLO: Hello,
@@ -619,6 +660,7 @@ REQUEST_TYPES: dict[Op, Any] = {
     Op.RECORD: RecordRequest,
     Op.XLOCATE: KeysRequest,
     Op.XALLOC: PutRequest,
+    Op.FLUSH_NAMESPACE: NamespaceRequest,
 }
 
 

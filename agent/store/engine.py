@@ -381,6 +381,26 @@ class BlockStore:
             self._report()
         return out
 
+    def remove_prefix(self, prefix: str) -> tuple[int, int, int]:
+        """Delete every block whose key starts with ``prefix`` from every tier (HBM, DRAM, SSD).
+
+        Returns (blocks deleted, bytes freed, blocks left because a reader holds them: they age out)."""
+        if not prefix:
+            raise ValueError("remove_prefix needs a non-empty prefix (it would delete the whole store)")
+        deleted = freed = busy = 0
+        journal: list[tuple[int, str, int, int, int, int]] = []
+        with self.lock:
+            for block in [b for k, b in self.blocks.items() if k.startswith(prefix)]:
+                if block.readers:
+                    busy += 1
+                    continue
+                self._drop(block, journal)
+                deleted += 1
+                freed += block.size
+            self.dram.journal(journal)
+            self._report()
+        return deleted, freed, busy
+
     def drop_corrupt(self, key: str) -> bool:
         """A reader saw a checksum mismatch: re-verify here and drop the block if it is really bad."""
         from daybreak.pool.checksum import crc32c

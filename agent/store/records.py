@@ -81,6 +81,14 @@ class Records:
         with self._lock:
             return self.pointers.get(key)
 
+    def forget_prefix(self, prefix: str) -> int:
+        """A namespace was flushed: drop every record of its keys; returns how many went."""
+        with self._lock:
+            stale = [k for k in self.pointers if k.startswith(prefix)]
+            for key in stale:
+                del self.pointers[key]
+        return len(stale)
+
     def forget(self, keys: list[str]) -> None:
         """The keys were removed: drop their records too."""
         with self._lock:

@@ -129,6 +129,7 @@ class Service:
             p.Op.MEMBERS: self._members,
             p.Op.PING: self._ping,
             p.Op.STATS: self._stats,
+            p.Op.FLUSH_NAMESPACE: self._flush_namespace,
         }
 
     @property
@@ -308,6 +309,16 @@ class Service:
         if not session.peer_role and (header.op in PEER_OPS or header.flags & p.FLAG_REPLICA):
             raise NotAuthorized(f"{header.op.name} (or FLAG_REPLICA) is for the pool's agents; "
                                 f"this connection holds {session.scope.claim}")
+        if header.op == p.Op.FLUSH_NAMESPACE:
+            # Admin flushes any namespace, a namespace credential only its own; an agent credential none
+            # (agents never flush each other: each flushes its own store in-process, docs/operations.md).
+            assert isinstance(request, p.NamespaceRequest)
+            role = session.scope.role
+            if role == credentials.ADMIN or (role == credentials.NAMESPACE
+                                             and request.namespace == session.scope.namespace):
+                return
+            raise NotAuthorized(f"FLUSH_NAMESPACE of {request.namespace!r} needs the pool secret or that "
+                                f"namespace's credential; this connection holds {session.scope.claim}")
         keys = getattr(request, "keys", None)
         if keys and session.scope.role == credentials.NAMESPACE:
             outside = [k for k in keys if not session.scope.allows_key(k)]
@@ -552,6 +563,24 @@ class Service:
         for member in request.members[:1]:
             self.membership.heard(member)
         self._reply(conn, header.request_id, p.MembersReply(self.membership.members()).encode())
+
+    def flush_namespace(self, namespace: str) -> p.FlushReply:
+        """Delete every block of ``namespace`` held here and every record of one held elsewhere.
+
+        The one implementation: the FLUSH_NAMESPACE handler and the agent's in-process flush
+        (the KVPool's ``status.flushRequests``) both call it."""
+        if not credentials.NAMESPACE_PATTERN.fullmatch(namespace):
+            raise ValueError(f"namespace {namespace!r} must match {credentials.NAMESPACE_PATTERN.pattern}")
+        prefix = namespace + "/"
+        blocks, freed, busy = self.store.remove_prefix(prefix)
+        pointers = self.records.forget_prefix(prefix)
+        log.info("event=namespace_flushed agent=%s namespace=%s blocks=%d bytes=%d busy=%d records=%d",
+                 self.agent_id, namespace, blocks, freed, busy, pointers)
+        return p.FlushReply(blocks, freed, busy, pointers)
+
+    def _flush_namespace(self, conn: socket.socket, header: p.Header, request: object) -> None:
+        assert isinstance(request, p.NamespaceRequest)
+        self._reply(conn, header.request_id, self.flush_namespace(request.namespace).encode())
 
     def _stats(self, conn: socket.socket, header: p.Header, request: object) -> None:
         counts = {**self.store.stats(), "rss_bytes": _rss_bytes(), "rss_peak_bytes": _peak_rss_bytes(),
