@@ -22,8 +22,8 @@ from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from daybreak.api.base import GROUP, VERSION
-from daybreak.operator.credentials import credential_secret_name, engine_credential_secret
 from daybreak.pool.credentials import NAMESPACE_PATTERN
+from daybreak.pool.engine_secret import credential_secret_name, engine_credential_secret
 
 log = logging.getLogger(__name__)
 

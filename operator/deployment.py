@@ -7,7 +7,7 @@ engine connectors and ``daybreak sim-engine``; see docs/operator.md):
 ``DAYBREAK_POOL_ENDPOINTS`` (the pool's headless Service, host:port, which
 resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (the credential of the
 deployment's kvNamespace, from the Secret the pool's agents mint; see
-``operator/credentials.py``), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
+``pool/engine_secret.py``), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
 preferred first), ``DAYBREAK_ROLE``, ``DAYBREAK_MODEL``,
 ``DAYBREAK_MODEL_REVISION``, ``DAYBREAK_KV_LAYOUT`` (JSON) and
 ``DAYBREAK_BLOCK_BYTES``, plus the downward-API ``POD_IP``, ``POD_NAME``,
@@ -34,10 +34,10 @@ from daybreak.api.kvpool import KVPool, Transport
 from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
-from daybreak.operator.credentials import SECRET_KEY, credential_secret_name
 from daybreak.operator.kube import Manifest
 from daybreak.operator.policy import PolicyError, engine_pod_violations
 from daybreak.operator.pool import PoolNames
+from daybreak.pool.engine_secret import SECRET_KEY, credential_secret_name
 
 # The downward API fields every serving pod gets (engines and the router bind $(POD_IP)).
 DOWNWARD_ENV: list[dict[str, Any]] = [

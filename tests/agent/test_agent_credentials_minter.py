@@ -24,8 +24,8 @@ from daybreak.api.pddeployment import PDDeployment
 from daybreak.client import KVPoolAuthorizationError, KVPoolClient
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.operator import pool as pool_mod
-from daybreak.operator.credentials import credential_secret_name
 from daybreak.pool.connection import Connection, RemoteError
+from daybreak.pool.engine_secret import credential_secret_name
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 REPO = Path(__file__).resolve().parents[2]

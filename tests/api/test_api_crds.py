@@ -101,17 +101,22 @@ def _examples() -> list[Path]:
     return sorted((ROOT / "examples").glob("*.yaml"))
 
 
+def _documents(path: Path) -> list[dict]:
+    """Every object of an example file (the demo's holds a pool and a deployment)."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
 def test_examples_cover_the_four_scenarios() -> None:
-    kinds = [yaml.safe_load(p.read_text())["kind"] for p in _examples()]
+    kinds = [d["kind"] for p in _examples() for d in _documents(p)]
     assert kinds.count("KVPool") >= 2 and kinds.count("PDDeployment") >= 2
 
 
 @pytest.mark.parametrize("path", _examples(), ids=lambda p: p.name)
 def test_examples_parse_with_the_models(path: Path) -> None:
-    body = yaml.safe_load(path.read_text())
-    model = {m.crd.kind: m for m in CRD_KINDS}[body["kind"]]
-    obj = model.from_body(body)
-    assert obj.metadata.name
+    for body in _documents(path):
+        model = {m.crd.kind: m for m in CRD_KINDS}[body["kind"]]
+        obj = model.from_body(body)
+        assert obj.metadata.name
 
 
 def test_every_cel_rule_has_a_python_twin() -> None:

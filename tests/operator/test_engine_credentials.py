@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from daybreak.agent.credentials_minter import namespaces_in_use
-from daybreak.operator.credentials import SECRET_KEY, credential_secret_name, engine_credential_secret
 from daybreak.pool.credentials import CredentialError, Scope, namespace_credential, parse
+from daybreak.pool.engine_secret import SECRET_KEY, credential_secret_name, engine_credential_secret
 
 SECRET = b"s" * 40
 

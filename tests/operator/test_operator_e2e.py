@@ -25,7 +25,7 @@ from daybreak.agent.settings import AgentSettings
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster, fake_node
-from daybreak.operator.credentials import credential_secret_name
+from daybreak.pool.engine_secret import credential_secret_name
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e

@@ -18,10 +18,10 @@ from daybreak.operator import conditions as cond
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
 from daybreak.operator.children import dns_name, owner_reference, standard_labels
-from daybreak.operator.credentials import credential_secret_name
 from daybreak.operator.leader import LeaseTiming
 from daybreak.operator.settings import OperatorSettings
 from daybreak.operator.workqueue import WorkQueue
+from daybreak.pool.engine_secret import credential_secret_name
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.test/daybreak:1"

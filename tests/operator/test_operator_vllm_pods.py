@@ -12,7 +12,7 @@ from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.connectors.blocks import PoolSettings
 from daybreak.operator import deployment as pdd_mod
-from daybreak.operator.credentials import credential_secret_name
+from daybreak.pool.engine_secret import credential_secret_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.devenv import tools
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
-from daybreak.operator.credentials import credential_secret_name
+from daybreak.pool.engine_secret import credential_secret_name
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.test/daybreak:1"

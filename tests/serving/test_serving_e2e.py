@@ -30,8 +30,8 @@ import yaml
 from daybreak.api.kvcompat import KVLayout
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.credentials import credential_secret_name
 from daybreak.pool.credentials import NAMESPACE, parse
+from daybreak.pool.engine_secret import credential_secret_name
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
