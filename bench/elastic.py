@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -322,6 +323,10 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(f"bench elastic: stopped by signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
     from daybreak.devenv.cluster import ClusterSpec, LocalCluster
     from daybreak.testing.operator_process import OperatorProcess
@@ -330,7 +335,13 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    workdir = Path(tempfile.mkdtemp(prefix="daybreak-bench-elastic-"))
+    # Not under /tmp: the process kubelet rewrites a pod's /tmp mount inside host paths that start with /tmp.
+    base = Path.home() / ".cache" / "daybreak"
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-elastic-", dir=base))
+    # A stop (TERM, or INT even where a background shell ignores it) unwinds through the cleanup below.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     began = time.monotonic()
     settings = {k: getattr(args, k) for k in ("base_rate", "base_seconds", "peak_seconds", "after_seconds",
                                               "peak_factor", "peak_replicas", "ttft", "itl", "interval",
