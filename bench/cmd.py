@@ -18,6 +18,7 @@ SUITES: dict[str, str] = {
     "operator": "daybreak.bench.operator",
     "serving": "daybreak.bench.serving",
     "vllm": "daybreak.bench.vllm",
+    "elastic": "daybreak.bench.elastic",
 }
 
 

@@ -184,9 +184,9 @@ async def _sessions(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]
             "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "output_tokens_max": args.output_tokens}
 
 
-async def run_load(args: argparse.Namespace, *, on_summary: Callable[[dict[str, Any]], None] | None = None
-                   ) -> dict[str, Any]:
-    """Run the workload ``args`` describe and return its summary."""
+async def run_load(args: argparse.Namespace, *, on_summary: Callable[[dict[str, Any]], None] | None = None,
+                   records: list[RequestRecord] | None = None) -> dict[str, Any]:
+    """Run the workload ``args`` describe and return its summary; ``records`` gets the per-request records."""
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise SystemExit(f"--url {args.url!r}: give http://HOST:PORT")
@@ -204,6 +204,8 @@ async def run_load(args: argparse.Namespace, *, on_summary: Callable[[dict[str, 
     lag = sorted(run.lag)
     extra.update(url=args.url, arrival_lag_s=lag[len(lag) // 2] if lag else None)
     summary = summarize(run.records, duration_s=duration, extra=extra)
+    if records is not None:
+        records.extend(run.records)
     if on_summary:
         on_summary(summary)
     return summary
