@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import uuid
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,27 +34,11 @@ BATCH = 16
 
 
 def _import_tree() -> None:
-    """Make ``daybreak.*`` importable from the source folders (the package-dir mapping of pyproject.toml)."""
+    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks)."""
     sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
     import linktree
 
-    tree = linktree.build(Path(tempfile.mkdtemp(prefix="daybreak-src-")))
-    sys.path.insert(0, str(tree))
-    wheels = sorted((ROOT / ".whl").glob("*.whl")) if (ROOT / ".whl").is_dir() else []
-    for module, prefix in (("pynvml", "nvidia_ml_py"), ("crc32c", "crc32c")):
-        try:
-            __import__(module)
-            continue
-        except ImportError:
-            pass
-        tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-        for wheel in wheels:
-            if wheel.name.startswith(prefix) and ("py3-none" in wheel.name or tag in wheel.name):
-                target = tree / "wheels" / wheel.stem
-                with zipfile.ZipFile(wheel) as zf:
-                    zf.extractall(target)
-                sys.path.insert(0, str(target))
-                break
+    linktree.import_source_tree(ROOT)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,3 +36,28 @@ def build(out: Path) -> Path:
 if __name__ == "__main__":
     build(REPO / ".typecheck")
     sys.exit(0)
+
+
+def import_source_tree(root: Path) -> Path:
+    """Make ``daybreak.*`` importable from the source folders, for the hack/ GPU check scripts (no install).
+
+    Modules the GPU machine lacks (``pynvml``, ``crc32c``) come from wheels in ``<root>/.whl`` when present.
+    """
+    tree = build(Path(tempfile.mkdtemp(prefix="daybreak-src-")))
+    sys.path.insert(0, str(tree))
+    wheels = sorted((root / ".whl").glob("*.whl")) if (root / ".whl").is_dir() else []
+    for module, prefix in (("pynvml", "nvidia_ml_py"), ("crc32c", "crc32c")):
+        try:
+            __import__(module)
+            continue
+        except ImportError:
+            pass
+        tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        for wheel in wheels:
+            if wheel.name.startswith(prefix) and ("py3-none" in wheel.name or tag in wheel.name):
+                target = tree / "wheels" / wheel.stem
+                with zipfile.ZipFile(wheel) as zf:
+                    zf.extractall(target)
+                sys.path.insert(0, str(target))
+                break
+    return tree
