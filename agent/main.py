@@ -173,19 +173,14 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
     store.open()
     datapath = start_datapath(settings, store=store, token=token, runtime=runtime) if settings.store_transfer else None
-    tls = peer_tls = None
-    if settings.tls_cert_file:
-        import ssl
-
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-        peer_tls = ssl.create_default_context(cafile=settings.tls_ca_file or None)
+    tls = settings.tls()  # one cert for both tcp paths: the store's listener and the transfer engine's
     server = StoreServer(store, listen=settings.listen, token=token, pool=pool, advertise=settings.advertise,
                          peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds,
                          limits=Limits(handshake_seconds=settings.handshake_seconds, idle_seconds=settings.idle_seconds,
                                        io_seconds=settings.io_seconds, max_connections=settings.max_connections,
                                        max_connections_per_address=settings.max_connections_per_address),
-                         tls=tls, peer_tls=peer_tls, datapath=datapath)
+                         tls=tls.server if tls else None,
+                         peer_tls=tls.client if tls else None, datapath=datapath)
     return server
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from daybreak.pool.tls import TlsContexts
 
 RuntimeChoice = Literal["auto", "sunrise", "nvidia", "host"]
 
@@ -64,9 +67,11 @@ class AgentSettings(BaseModel):
                               "16 MiB/s)")
     max_connections: int = Field(1024, ge=1, description="connections per agent")
     max_connections_per_address: int = Field(256, ge=1, description="connections per client address")
-    tls_cert_file: str = Field("", description="PEM certificate the store serves TLS with; empty: plain tcp")
+    tls_cert_file: str = Field("", description="PEM certificate both tcp servers (the store's and the transfer "
+                               "engine's) serve TLS with, and then require; empty: plain tcp")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
-    tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against")
+    tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against "
+                             "(store and transfer engine); empty: the system's CAs")
     keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm after a clean stop "
                                 "(for a restart that re-adopts it)")
     orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm with no live owner and untouched "
@@ -101,6 +106,12 @@ class AgentSettings(BaseModel):
             values[name] = raw.split(",") if field.annotation == list[str] else raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.model_validate(values)
+
+    def tls(self) -> TlsContexts | None:
+        """``pool.tls.TlsContexts`` for both tcp paths, or None when no certificate is set (plain tcp)."""
+        from daybreak.pool.tls import contexts
+
+        return contexts(cert_file=self.tls_cert_file, key_file=self.tls_key_file, ca_file=self.tls_ca_file)
 
     def describe(self) -> str:
         """One key=value line for the start-up log."""

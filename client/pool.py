@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import logging
 import re
-import ssl
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
 from daybreak.pool.shm import Backing, ShmSegment
+from daybreak.pool.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class KVPoolClient:
                 f"not authorized: the credential is scoped to namespace {scope.namespace!r}, this client uses "
                 f"{namespace!r}; use that deployment's credential (`daybreak credentials --namespace {namespace}`)")
         self._endpoints = list(endpoints)
-        self._tls = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else None
+        self._tls = client_context(ca_file=tls_ca_file) if tls_ca_file else None
         self._token = token.encode()
         self._prefix = namespace + "/"
         self._transport = transport

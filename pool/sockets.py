@@ -11,14 +11,28 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 Buffer = bytes | bytearray | memoryview
+
+
+class Stream(Protocol):
+    """A connected plain socket or a TLS stream (``pool.tls.TlsStream``): what these helpers and the wire
+    protocols use of a connection."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, /) -> int: ...
+    def send(self, data: Any, /) -> int: ...
+    def sendall(self, data: Any, /) -> Any: ...
+    def settimeout(self, value: float | None, /) -> None: ...
+    def gettimeout(self) -> float | None: ...
+    def shutdown(self, how: int, /) -> None: ...
+    def close(self) -> None: ...
 
 # Linux caps one sendmsg at IOV_MAX (1024) iovecs; stay below it.
 MAX_IOVECS = 1000
 
 
-def until(sock: socket.socket, deadline: float | None) -> None:
+def until(sock: Stream, deadline: float | None) -> None:
     """Give the next socket call only the time left before ``deadline`` (monotonic); TimeoutError once past it."""
     if deadline is None:
         return
@@ -28,7 +42,7 @@ def until(sock: socket.socket, deadline: float | None) -> None:
     sock.settimeout(left)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
+def recv_exact_into(sock: Stream, view: memoryview, *, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; raises ConnectionError if the peer closes first.
 
     ``deadline`` (``time.monotonic()``) bounds the whole receive, not each read: a peer sending a
@@ -44,7 +58,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float | 
         got += r
 
 
-def recv_exact(sock: socket.socket, n: int, *, deadline: float | None = None) -> bytearray:
+def recv_exact(sock: Stream, n: int, *, deadline: float | None = None) -> bytearray:
     """``n`` bytes from ``sock`` in a new buffer."""
     buf = bytearray(n)
     if n:
@@ -52,7 +66,7 @@ def recv_exact(sock: socket.socket, n: int, *, deadline: float | None = None) ->
     return buf
 
 
-def discard(sock: socket.socket, n: int, *, deadline: float | None = None) -> None:
+def discard(sock: Stream, n: int, *, deadline: float | None = None) -> None:
     """Read and drop ``n`` bytes (data for keys that could not be stored)."""
     scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
     while n > 0:
@@ -61,7 +75,7 @@ def discard(sock: socket.socket, n: int, *, deadline: float | None = None) -> No
         n -= chunk
 
 
-def send_all(sock: socket.socket, parts: Sequence[Buffer], *, deadline: float | None = None) -> None:
+def send_all(sock: Stream, parts: Sequence[Buffer], *, deadline: float | None = None) -> None:
     """``sendmsg`` a list of buffers without joining them, resuming after partial sends.
 
     ``deadline`` bounds the whole send: a peer that stops reading cannot hold the sender (and what
@@ -74,10 +88,11 @@ def send_all(sock: socket.socket, parts: Sequence[Buffer], *, deadline: float | 
                 until(sock, deadline)
                 view = view[sock.send(view):]
         return
+    raw = cast(socket.socket, sock)  # not TLS: a plain socket
     first = 0
     while first < len(views):
         until(sock, deadline)
-        sent = sock.sendmsg(views[first:first + MAX_IOVECS])
+        sent = raw.sendmsg(views[first:first + MAX_IOVECS])
         while sent:
             size = views[first].nbytes
             if sent >= size:

@@ -6,10 +6,15 @@ payloads of ``wire`` HELLO frames: claim and nonce, challenge, proof, welcome.
 The engine token is the key (scope ``admin``); it never crosses the wire. rdma
 queue-pair set-up rides on the same server as a request/answer exchange on a
 fresh connection (``control_request``).
+
+With TLS (``pool.tls``, the store's helper and settings) every connection is
+wrapped before the HELLO: ``dial`` checks the server's certificate, ``accept``
+refuses a plaintext peer with an ERROR frame it can read, then closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -19,11 +24,51 @@ from typing import Any
 from daybreak.agent.transfer import wire
 from daybreak.errors import DaybreakError
 from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, client_hello, server_accept
-from daybreak.pool.sockets import recv_exact_into
+from daybreak.pool.sockets import Stream, recv_exact_into
+from daybreak.pool.tls import TlsContexts, TlsStream, looks_like_tls
 
 
 class PeerError(DaybreakError):
     """The peer answered ERROR for a frame: the request is wrong for it, not the path."""
+
+
+class PlaintextRefused(wire.MalformedFrame):
+    """A peer spoke plaintext to an engine that requires TLS; it was told so and the connection closed."""
+
+
+REQUIRES_TLS = b"this engine requires TLS: a plaintext peer is refused (set tls_cert_file/tls_ca_file as on this pool)"
+
+
+def dial(address: tuple[str, int], *, timeout_s: float, tls: TlsContexts | None) -> Stream:
+    """A connected stream to a peer engine; with ``tls`` its certificate is checked for the host dialled.
+
+    Raises OSError (``ssl.SSLError`` included) when the peer cannot be reached or its certificate is refused.
+    """
+    raw = socket.create_connection(address, timeout=timeout_s)
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is None:
+            return raw
+        return TlsStream.client(raw, tls.client, server_hostname=address[0], deadline=time.monotonic() + timeout_s)
+    except BaseException:
+        raw.close()
+        raise
+
+
+def accept(raw: socket.socket, *, tls: TlsContexts | None, deadline: float, peer: str) -> Stream:
+    """The server side of a fresh connection, before the HELLO: plain, or TLS when the engine requires it.
+
+    A plaintext peer of a TLS engine gets one ERROR frame saying so and ``PlaintextRefused``.
+    """
+    if tls is None:
+        return raw
+    if tls.server is None:
+        raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
+    raw.settimeout(max(0.001, deadline - time.monotonic()))
+    if not looks_like_tls(raw):
+        raw.sendall(wire.pack_header(wire.FrameType.ERROR, frame_id=0, payload_len=len(REQUIRES_TLS)) + REQUIRES_TLS)
+        raise PlaintextRefused(f"plaintext peer {peer} refused: this engine requires TLS")
+    return TlsStream.server(raw, tls.server, deadline=deadline)
 
 
 def parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
@@ -34,7 +79,7 @@ def parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _read_frame(sock: socket.socket) -> tuple[wire.Header, bytearray]:
+def _read_frame(sock: Stream) -> tuple[wire.Header, bytearray]:
     header = bytearray(wire.HEADER.size)
     recv_exact_into(sock, memoryview(header))
     hdr = wire.parse_header(header)
@@ -69,7 +114,7 @@ def _hex(message: dict[str, Any], name: str) -> bytes:
 class _ClientHello:
     """``pool.handshake.ClientChannel`` over a fresh socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Stream) -> None:
         self._sock = sock
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -99,7 +144,7 @@ class _ClientHello:
         return peer
 
 
-def client_handshake(sock: socket.socket, *, engine_id: str, token: str) -> str:
+def client_handshake(sock: Stream, *, engine_id: str, token: str) -> str:
     """Client side of the handshake; returns the peer's engine id (ValueError when either side refuses)."""
     try:
         return client_hello(_ClientHello(sock), key=token.encode(), scope=SCOPE, identity=engine_id)
@@ -145,23 +190,26 @@ class _ServerHello:
 
 def server_handshake(*, next_header: Callable[[], wire.Header], read: Callable[[int], bytes],
                      send: Callable[[bytes], None], engine_id: str, token: str, peer: str,
-                     sock: socket.socket | None = None) -> Hello:
+                     sock: Stream | None = None, deadline: float | None = None) -> Hello:
     """Server side: authenticate the peer, answer with our engine id; MalformedFrame closes the connection.
 
     With ``sock`` the whole exchange runs under one ``HANDSHAKE_SECONDS`` deadline (a peer trickling
     bytes cannot hold the connection), and the socket's previous timeout is restored afterwards.
+    ``deadline`` (``time.monotonic()``): the one the TLS handshake already ran under, continued here.
     """
     key = token.encode()
     previous = sock.gettimeout() if sock is not None else None
-    if sock is not None:
-        sock.settimeout(HANDSHAKE_SECONDS)
     started = time.monotonic()
+    if deadline is None:
+        deadline = started + HANDSHAKE_SECONDS
+    if sock is not None:
+        sock.settimeout(max(0.001, deadline - started))
     try:
         hello = server_accept(_ServerHello(next_header=next_header, read=read, send=send),
                               key_for=lambda scope: key if scope == SCOPE else None)
     except AuthenticationFailed:
         raise wire.MalformedFrame(f"bad token from {peer}") from None
-    if time.monotonic() - started > HANDSHAKE_SECONDS:
+    if time.monotonic() > deadline:
         raise wire.MalformedFrame(f"handshake from {peer} took longer than {HANDSHAKE_SECONDS:.0f} s")
     body = json.dumps({"engine_id": engine_id}).encode()
     send(wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body)
@@ -171,13 +219,14 @@ def server_handshake(*, next_header: Callable[[], wire.Header], read: Callable[[
 
 
 def control_request(endpoint: str, kind: wire.FrameType, message: dict[str, Any], *, engine_id: str, token: str,
-                    timeout_s: float) -> dict[str, Any]:
+                    timeout_s: float, tls: TlsContexts | None = None) -> dict[str, Any]:
     """One request/answer exchange on a fresh connection (rdma queue-pair set-up rides on this).
 
     Raises ``OSError`` when the peer cannot be reached and ``PeerError`` when it refuses.
     """
     address = parse_endpoint(endpoint, field_name="tcp_endpoint")
-    with socket.create_connection(address, timeout=max(0.05, timeout_s)) as sock:
+    sock = dial(address, timeout_s=max(0.05, timeout_s), tls=tls)
+    with contextlib.closing(sock):
         try:
             client_handshake(sock, engine_id=engine_id, token=token)
             body = json.dumps(message).encode()

@@ -43,6 +43,7 @@ from daybreak.agent.transfer.transport import (
     byte_view,
 )
 from daybreak.pool.shm import ShmSegment
+from daybreak.pool.tls import TlsContexts
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class TransferEngine:
       tcp_connections: connections per peer; slice_bytes: largest tcp slice/frame payload.
       checksum: crc32c every tcp slice (both directions).
       token: shared secret checked when a tcp connection opens (empty: none).
+      tls: ``pool.tls.TlsContexts`` (``AgentSettings.tls()``, the store's settings): tcp serves and
+        dials TLS only, a plaintext peer is refused (default: None, plain tcp).
       timeout_s: default deadline of a batch, in seconds.
       verbs: a pyverbs-compatible module for rdma (default: import pyverbs).
       runtime: the accelerator runtime (``daybreak.agent.runtime.AcceleratorRuntime``) for
@@ -123,7 +126,7 @@ class TransferEngine:
                  checksum: bool = False, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  breaker: CircuitBreaker | None = None, verbs: Any = None, runtime: Any = None,
                  rdma_nics: Sequence[str] | None = None,
-                 topology: Any = None) -> None:
+                 topology: Any = None, tls: TlsContexts | None = None) -> None:
         wanted = tuple(transports)
         check_names(wanted)
         if tcp_connections < 1:
@@ -140,6 +143,7 @@ class TransferEngine:
         self.slice_bytes = slice_bytes
         self.checksum = checksum
         self.token = token
+        self.tls = tls
         self.timeout_s = timeout_s
         self.breaker = breaker or CircuitBreaker()
         self._wanted = wanted
@@ -168,6 +172,7 @@ class TransferEngine:
 
         An agent's engine serves tcp to the pod network, so it always checks a credential (``token``, the pool
         secret) and binds no wider than the store (``transfer_listen`` empty: the store's host, a free port).
+        With the store's TLS settings (``tls_cert_file``...) its tcp is TLS too, with the same certificate.
         """
         if not token:
             raise ValueError("the agent's transfer engine needs the pool secret as its token (an engine without one "
@@ -180,7 +185,7 @@ class TransferEngine:
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
-                   rdma_nics=settings.rdma_devices or None)
+                   rdma_nics=settings.rdma_devices or None, tls=settings.tls())
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TransferEngine:
@@ -190,7 +195,7 @@ class TransferEngine:
         config = TransportConfig(listen=self.listen, advertise=self.advertise,
                                  tcp_connections=self.tcp_connections, slice_bytes=self.slice_bytes,
                                  checksum=self.checksum, verbs=self._verbs, runtime=self.runtime,
-                                 rdma_nics=self._rdma_nics, topology=self._topology)
+                                 rdma_nics=self._rdma_nics, topology=self._topology, tls=self.tls)
         self._transports = open_transports(self, self._wanted, config)
         self._monitor.start()
         self._started = True

@@ -317,7 +317,8 @@ class RdmaTransport(Transport):
         try:
             answer = control_request(d.tcp_endpoint, wire.FrameType.RDMA_CONNECT,
                                      {"engine_id": self.host.engine_id, "pairs": offers},
-                                     engine_id=self.host.engine_id, token=self.host.token, timeout_s=timeout)
+                                     engine_id=self.host.engine_id, token=self.host.token, timeout_s=timeout,
+                                     tls=self.host.tls)
             accepted = answer["pairs"]
             if len(accepted) != len(fresh):
                 raise OSError(f"peer accepted {len(accepted)} of {len(fresh)} queue pairs")

@@ -35,6 +35,7 @@ class TransportConfig:
     runtime: Any = None
     rdma_nics: Sequence[str] | None = None
     topology: Any = None
+    tls: Any = None  # pool.tls.TlsContexts: tcp serves and dials TLS only
 
 
 def _shm(host: TransportHost, config: TransportConfig) -> Transport | None:
@@ -47,7 +48,7 @@ def _tcp(host: TransportHost, config: TransportConfig) -> Transport | None:
     from daybreak.agent.transfer.tcp import TcpTransport
 
     return TcpTransport(host, listen=config.listen, advertise=config.advertise, connections=config.tcp_connections,
-                        slice_bytes=config.slice_bytes, checksum=config.checksum)
+                        slice_bytes=config.slice_bytes, checksum=config.checksum, tls=config.tls)
 
 
 def _rdma(host: TransportHost, config: TransportConfig) -> Transport | None:

@@ -15,6 +15,11 @@ other connections (a fresh one when none is left) up to ``MAX_ATTEMPTS`` times
 while the deadline allows; a peer that cannot be reached fails the jobs as a
 path failure. A batch that passes its deadline has the connections carrying
 its frames shut down, so a READ never lands after ``wait`` returned.
+
+TLS (``tls``, the agent's ``tls_*`` settings through ``pool.tls``): every
+connection, data and control, is TLS before its HELLO, and the server refuses a
+plaintext peer (``control.accept``). The sender and receiver threads share one
+connection, which is why it is a ``pool.tls.TlsStream`` and not an ``SSLSocket``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import logging
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -33,9 +39,18 @@ import crc32c
 
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
-from daybreak.agent.transfer.control import client_handshake, parse_endpoint, server_handshake
+from daybreak.agent.transfer.control import (
+    HANDSHAKE_SECONDS,
+    PlaintextRefused,
+    accept,
+    client_handshake,
+    dial,
+    parse_endpoint,
+    server_handshake,
+)
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
-from daybreak.pool.sockets import recv_exact_into, send_all
+from daybreak.pool.sockets import Stream, recv_exact_into, send_all
+from daybreak.pool.tls import TlsContexts
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +91,26 @@ class _Frame:
 
 @dataclass(frozen=True, slots=True)
 class TcpOptions:
-    """The engine's tcp settings: where to listen, connections per peer, slice size, checksums."""
+    """The engine's tcp settings: where to listen, connections per peer, slice size, checksums, TLS."""
 
     listen: str
     advertise: str | None
     connections: int
     slice_bytes: int
     checksum: bool
+    tls: TlsContexts | None = None
 
 
 class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, host: TransportHost, *, listen: str = "127.0.0.1:0", advertise: str | None = None,
-                 connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False) -> None:
+                 connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False,
+                 tls: TlsContexts | None = None) -> None:
+        if tls is not None and tls.server is None:
+            raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
         self._host = host
-        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum)
+        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum, tls)
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._server = _Server(host, self.options)
@@ -295,9 +314,11 @@ class _Conn:
 
     def __init__(self, peer: _Peer, timeout: float) -> None:
         self.peer = peer
-        self.sock = socket.create_connection(peer.address, timeout=timeout)
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock: Stream = dial(peer.address, timeout_s=timeout, tls=peer.options.tls)
+        except ssl.SSLError as exc:
+            raise OSError(f"TLS with {peer.endpoint} failed: {exc}") from None
+        try:
             self._hello()
         except (OSError, ValueError, wire.MalformedFrame) as exc:
             self.sock.close()
@@ -491,6 +512,7 @@ class _Server:
         else:
             shown = bound_host if bound_host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
             self.endpoint = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
+        self.tls = options.tls
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.closed = False
@@ -524,8 +546,15 @@ class _Server:
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        # one deadline for the TLS handshake and the HELLO that follows it
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
         try:
-            _ServerConn(self.host, conn, peer).run()
+            stream = accept(conn, tls=self.tls, deadline=deadline, peer=peer)
+            _ServerConn(self.host, stream, peer, deadline=deadline).run()
+        except PlaintextRefused as exc:
+            log.warning("tcp plaintext peer refused, TLS required peer=%s cause=%r", peer, str(exc))
+        except ssl.SSLError as exc:
+            log.warning("tcp TLS handshake or record failed, closing connection peer=%s cause=%r", peer, str(exc))
         except wire.MalformedFrame as exc:
             log.warning("tcp malformed frame, closing connection peer=%s cause=%r", peer, str(exc))
         except OSError as exc:
@@ -539,10 +568,11 @@ class _Server:
 
 
 class _ServerConn:
-    def __init__(self, host: TransportHost, sock: socket.socket, peer: str) -> None:
+    def __init__(self, host: TransportHost, sock: Stream, peer: str, *, deadline: float | None = None) -> None:
         self.host = host
         self.sock = sock
         self.peer = peer
+        self.deadline = deadline
         # a header and the first extent usually arrive together: read both in one call
         self.head = memoryview(bytearray(2 * wire.HEADER.size))
         self.spill = memoryview(b"")  # bytes read past a header, handed out before the socket's
@@ -574,7 +604,8 @@ class _ServerConn:
 
     def run(self) -> None:
         server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
-                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer, sock=self.sock)
+                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer, sock=self.sock,
+                         deadline=self.deadline)
         while True:
             hdr = self._next_header()
             if hdr.type is wire.FrameType.WRITE:

@@ -164,6 +164,11 @@ class TransportHost(Completion, Protocol):
     def token(self) -> str: ...
 
     @property
+    def tls(self) -> Any:
+        """``pool.tls.TlsContexts`` every tcp connection (data and control) uses, or None for plain tcp."""
+        ...
+
+    @property
     def runtime(self) -> Any:
         """The accelerator runtime for device segments (staging copies), or None."""
         ...
