@@ -12,6 +12,8 @@ baselines do the same job by hand in the same run:
 - ``mooncake-tcp``: Mooncake's ``TransferEngine`` (pip mooncake-transfer-engine-non-cuda)
   over its tcp transport with its own HTTP metadata server, ``batch_transfer_sync_write``
   of the same blocks, initiator and target in their own processes.
+- ``tcp``: for the ``tcp+tls`` rows, our own plain tcp to a plain peer, so the ratio is
+  what TLS costs (both peers take a fresh self-signed certificate for 127.0.0.1).
 
 ``gbps`` is gigabytes (10^9 bytes) per second.
 """
@@ -36,7 +38,8 @@ from typing import Any
 from daybreak.agent.transfer import ShmSegment, TransferEngine, TransferRequest
 from daybreak.testing.transfer_peer import PeerProcess, pattern
 
-TARGETS = {"python-stream": 0.8, "memcpy": 0.7, "mooncake-tcp": 2.0}
+# tcp+tls vs tcp is a cost to report, not a goal: the "target" only flags a TLS path slower than a quarter of plain.
+TARGETS = {"python-stream": 0.8, "memcpy": 0.7, "mooncake-tcp": 2.0, "tcp": 0.25}
 
 
 @dataclass
@@ -63,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,32", help="requests per batch (default: 1,32)")
     parser.add_argument("--seconds", type=float, default=0.3, help="minimum time per measurement round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each side counts")
-    parser.add_argument("--transports", default="tcp,shm", help="ours to measure (default: tcp,shm)")
+    parser.add_argument("--transports", default="tcp,tls,shm",
+                        help="ours to measure (default: tcp,tls,shm; tls is tcp+TLS against plain tcp)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake comparison")
     parser.add_argument("--tcp-connections", type=int, default=2)
     parser.add_argument("--slice-bytes", type=_size, default=4 << 20)
@@ -307,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 if "tcp" in wanted:
                     rows += _tcp_rows(args, peer, src_view, cases, total, mooncake)
+                if "tls" in wanted:
+                    rows += _tls_rows(args, peer, src_view, cases, total)
                 if "shm" in wanted:
                     rows += _shm_rows(args, peer, src_view, cases, shm_name, peer_node)
             finally:
@@ -314,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if mooncake is not None:
             mooncake.close()
-    rows.sort(key=lambda r: (r.transport != "tcp", r.baseline == "mooncake-tcp", r.block_bytes, r.batch))
+    order = {"tcp": 0, "tcp+tls": 1}
+    rows.sort(key=lambda r: (order.get(r.transport, 2), r.baseline == "mooncake-tcp", r.block_bytes, r.batch))
     print_table(rows)
     if args.json:
         with open(args.json, "w") as fh:
@@ -349,6 +356,65 @@ def _tcp_rows(args: argparse.Namespace, peer: PeerProcess, src: memoryview, case
                                      note=mooncake.reason))
     finally:
         raw.close()
+    return rows
+
+
+def _self_signed(directory: str) -> tuple[str, str]:
+    """A throwaway certificate for 127.0.0.1 (its own CA) and its key, as PEM files under ``directory``."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = os.path.join(directory, "bench.pem"), os.path.join(directory, "bench.key")
+    with open(cert_file, "wb") as fh:
+        fh.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def _tls_rows(args: argparse.Namespace, peer: PeerProcess, src: memoryview, cases: list[tuple[int, int]],
+              total: int) -> list[Row]:
+    """tcp+TLS (``pool.tls``, as an agent with ``tls_cert_file`` runs it) against plain tcp, rounds alternating."""
+    import tempfile
+
+    from daybreak.pool.tls import contexts
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="dbt-bench-tls-") as directory:
+        cert, key = _self_signed(directory)
+        with PeerProcess(segment_bytes=total, node=f"bench-tls-{uuid.uuid4().hex[:6]}", transports="tcp",
+                         tcp_connections=args.tcp_connections, slice_bytes=args.slice_bytes,
+                         tls_cert=cert, tls_key=key, tls_ca=cert) as tls_peer, \
+                TransferEngine(node="bench-local", transports=("tcp",), tcp_connections=args.tcp_connections,
+                               slice_bytes=args.slice_bytes,
+                               tls=contexts(cert_file=cert, key_file=key, ca_file=cert)) as tls_engine, \
+                TransferEngine(node="bench-local", transports=("tcp",), tcp_connections=args.tcp_connections,
+                               slice_bytes=args.slice_bytes) as plain_engine:
+            tls_remote = tls_engine.open_remote(tls_peer.descriptor)
+            plain_remote = plain_engine.open_remote(peer.descriptor)
+            for size, batch in cases:
+                nbytes = size * batch
+                best = _best_of([partial(_rate, _engine_fn(tls_engine, tls_remote, src, size, batch), nbytes,
+                                         args.seconds),
+                                 partial(_rate, _engine_fn(plain_engine, plain_remote, src, size, batch), nbytes,
+                                         args.seconds)], rounds=args.rounds)
+                rows.append(_row("tcp+tls", size, batch, best[0], "tcp", best[1]))
     return rows
 
 

@@ -10,6 +10,9 @@ first line of stdout, then answers one line per command:
     batch TIMEOUT_S SPEC[,SPEC]  -> JSON list of {status, transport, error}; SPEC is OP:RID:LOFF:ROFF:LEN
                                     with OP read or write, moving between our segment and remote RID
     quit                         -> exits (so does end of input: the parent died)
+
+``--tls-cert/--tls-key/--tls-ca`` (``PeerProcess(tls_cert=...)``) make its tcp TLS-only, as an
+agent's engine is with the same settings; ``--token`` sets the engine token.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from daybreak.agent.transfer.batch import Op, TransferRequest
 from daybreak.agent.transfer.engine import TransferEngine
 from daybreak.agent.transfer.transport import LocalSegment, RemoteSegment
 from daybreak.pool.shm import ShmSegment
+from daybreak.pool.tls import contexts
 
 
 class PeerProcess:
@@ -36,7 +40,8 @@ class PeerProcess:
     def __init__(self, *, segment_bytes: int, shm_name: str = "", node: str = "", listen: str = "127.0.0.1:0",
                  transports: str = "shm,tcp", checksum: bool = False, tcp_connections: int = 2,
                  slice_bytes: int = 4 << 20, prefix: Sequence[str] = (), log_level: str = "WARNING",
-                 device: int = -1, runtime: str = "auto", sunrise_lib_dir: str = "") -> None:
+                 device: int = -1, runtime: str = "auto", sunrise_lib_dir: str = "", token: str = "",
+                 tls_cert: str = "", tls_key: str = "", tls_ca: str = "") -> None:
         argv = [*prefix, sys.executable, "-m", "daybreak.testing.transfer_peer",
                 "--segment-bytes", str(segment_bytes), "--listen", listen, "--transports", transports,
                 "--tcp-connections", str(tcp_connections), "--slice-bytes", str(slice_bytes),
@@ -47,6 +52,10 @@ class PeerProcess:
             argv += ["--node", node]
         if checksum:
             argv.append("--checksum")
+        for flag, value in (("--token", token), ("--tls-cert", tls_cert), ("--tls-key", tls_key),
+                            ("--tls-ca", tls_ca)):
+            if value:
+                argv += [flag, value]
         if device >= 0:
             argv += ["--device", str(device), "--runtime", runtime, "--sunrise-lib-dir", sunrise_lib_dir]
         self.shm_name = shm_name
@@ -142,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", type=int, default=-1, help="put the segment in this accelerator's memory")
     parser.add_argument("--runtime", default="auto", help="accelerator runtime for --device (auto, sunrise, nvidia)")
     parser.add_argument("--sunrise-lib-dir", default="")
+    parser.add_argument("--token", default="", help="engine token (peers must prove the same)")
+    parser.add_argument("--tls-cert", default="", help="PEM certificate: tcp serves and dials TLS only")
+    parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
+    parser.add_argument("--tls-ca", default="", help="PEM CA bundle the peers' certificates are checked against")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         memory = runtime.allocate(args.device, args.segment_bytes)
     engine = TransferEngine(node=args.node or None, listen=args.listen, transports=args.transports.split(","),
                             tcp_connections=args.tcp_connections, slice_bytes=args.slice_bytes,
-                            checksum=args.checksum, runtime=runtime).start()
+                            checksum=args.checksum, runtime=runtime, token=args.token,
+                            tls=contexts(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca)).start()
     segment = engine.register_segment(memory, name=args.shm_name or "peer")
     view = segment.buffer
     remotes: list[RemoteSegment] = []

@@ -67,6 +67,7 @@ def accept(raw: socket.socket, *, tls: TlsContexts | None, deadline: float, peer
     raw.settimeout(max(0.001, deadline - time.monotonic()))
     if not looks_like_tls(raw):
         raw.sendall(wire.pack_header(wire.FrameType.ERROR, frame_id=0, payload_len=len(REQUIRES_TLS)) + REQUIRES_TLS)
+        _close_gently(raw)
         raise PlaintextRefused(f"plaintext peer {peer} refused: this engine requires TLS")
     return TlsStream.server(raw, tls.server, deadline=deadline)
 
@@ -77,6 +78,22 @@ def parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"{field_name}: expected host:port, got {endpoint!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _close_gently(raw: socket.socket) -> None:
+    """Half-close and drop what the peer already sent (its HELLO, a few hundred bytes, at most 1 s).
+
+    Closing with unread bytes makes the kernel send a reset, which can discard our ERROR frame
+    before the peer reads it."""
+    with contextlib.suppress(OSError):
+        raw.shutdown(socket.SHUT_WR)
+        raw.settimeout(1.0)
+        left = 64 << 10
+        while left > 0:
+            chunk = raw.recv(min(left, 4096))
+            if not chunk:
+                break
+            left -= len(chunk)
 
 
 def _read_frame(sock: Stream) -> tuple[wire.Header, bytearray]:
