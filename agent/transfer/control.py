@@ -64,12 +64,15 @@ def accept(raw: socket.socket, *, tls: TlsContexts | None, deadline: float, peer
         return raw
     if tls.server is None:
         raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
+    previous = raw.gettimeout()
     raw.settimeout(max(0.001, deadline - time.monotonic()))
     if not looks_like_tls(raw):
         raw.sendall(wire.pack_header(wire.FrameType.ERROR, frame_id=0, payload_len=len(REQUIRES_TLS)) + REQUIRES_TLS)
         _close_gently(raw)
         raise PlaintextRefused(f"plaintext peer {peer} refused: this engine requires TLS")
-    return TlsStream.server(raw, tls.server, deadline=deadline)
+    stream = TlsStream.server(raw, tls.server, deadline=deadline)
+    raw.settimeout(previous)  # the handshake's deadline must not outlive it (it would close idle connections)
+    return stream
 
 
 def parse_endpoint(endpoint: str, *, field_name: str) -> tuple[str, int]:

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,3 +144,18 @@ def test_an_agents_engine_takes_the_stores_tls_settings(certs: dict[str, tuple[s
         assert tls_peer.hash(0, 5) == _sha(b"agent")
     with pytest.raises(TlsSettingsError, match="tls_cert_file"):
         AgentSettings.load(environ={"DAYBREAK_TLS_CERT_FILE": cert, "DAYBREAK_TLS_KEY_FILE": "/nonexistent"}).tls()
+
+
+def test_an_idle_tls_connection_outlives_the_handshake_deadline(certs: dict[str, tuple[str, str]],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The deadline that bounds the TLS handshake and HELLO must be gone once they are done.
+    from daybreak.agent.transfer import tcp
+
+    monkeypatch.setattr(tcp, "HANDSHAKE_SECONDS", 0.5)
+    with _engine(certs, "pool") as server, _engine(certs, "pool") as client:
+        memory = bytearray(MiB)
+        remote = client.open_remote(server.register_segment(memory, name="kv").descriptor)
+        assert client.transfer([TransferRequest.write(remote, 0, b"first")])[0].attempts == 1
+        time.sleep(1.5)  # three handshake deadlines of idleness
+        assert client.transfer([TransferRequest.write(remote, 8, b"second")])[0].attempts == 1
+        assert memory[:5] == b"first" and memory[8:14] == b"second"
