@@ -204,3 +204,72 @@ def test_malformed_frame_closes_only_that_connection() -> None:
         # everyone else's connections are untouched
         client.transfer([TransferRequest.write(remote, 100, b"after")])
         assert memory[:6] == b"before" and memory[100:105] == b"after"
+
+
+class _Recording:
+    """A socket that keeps a copy of every byte sent: what an on-path observer of plain tcp captures."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sent: list[bytes] = []
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(bytes(data))
+        self.sock.sendall(data)
+
+    def recv(self, n: int, flags: int = 0) -> bytes:
+        return self.sock.recv(n, flags)
+
+
+def test_captured_engine_handshake_cannot_be_replayed() -> None:
+    # Issue 12 finding 5 for the transfer engine's wire protocol (the store's has its own test).
+    with TransferEngine(node="server", transports=("tcp",), token="pool-secret") as server:
+        address = server.register_segment(bytearray(4096), name="kv").descriptor.tcp_address
+        with socket.create_connection(address, timeout=5) as first:
+            tap = _Recording(first)
+            assert _hello(tap, "pool-secret").type is wire.FrameType.HELLO  # type: ignore[arg-type]
+        hello_frame, proof_frame = tap.sent
+        assert b"pool-secret" not in b"".join(tap.sent)  # the secret never crosses the wire
+        with socket.create_connection(address, timeout=5) as replay:
+            replay.sendall(hello_frame)
+            hdr = wire.parse_header(replay.recv(wire.HEADER.size, socket.MSG_WAITALL))
+            replay.recv(hdr.payload_len, socket.MSG_WAITALL)  # a fresh challenge, not the captured one
+            replay.sendall(proof_frame)
+            answer = wire.parse_header(replay.recv(wire.HEADER.size, socket.MSG_WAITALL))
+            assert answer.type is wire.FrameType.ERROR
+            replay.recv(answer.payload_len, socket.MSG_WAITALL)
+            assert replay.recv(1) == b""
+
+
+def test_silent_and_trickling_peers_are_closed_at_the_handshake_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 12 findings 6 and 8 for the engine: one deadline for the whole handshake, not per read.
+    from daybreak.agent.transfer import tcp
+
+    monkeypatch.setattr(tcp, "HANDSHAKE_SECONDS", 1.0)
+    with TransferEngine(node="server", transports=("tcp",), token="pool-secret") as server:
+        address = server.register_segment(bytearray(4096), name="kv").descriptor.tcp_address
+        with socket.create_connection(address, timeout=10) as silent, \
+                socket.create_connection(address, timeout=10) as trickle:
+            started = time.monotonic()
+            body = json.dumps({"engine_id": "slow", "scope": "admin", "nonce": os.urandom(16).hex()}).encode()
+            frame = wire.pack_header(wire.FrameType.HELLO, frame_id=0, payload_len=len(body)) + body
+            closed = False
+            for i in range(len(frame)):  # one byte every 0.1 s: 10 s for the whole HELLO if never cut off
+                try:
+                    trickle.sendall(frame[i:i + 1])
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+                if time.monotonic() - started > 6:
+                    break
+            trickle.settimeout(5)
+            try:
+                closed = closed or trickle.recv(1) == b""
+            except TimeoutError:
+                pass  # still open: the assertion below says so
+            except OSError:  # reset by the server
+                closed = True
+            assert closed, "a peer trickling its HELLO outlived the handshake deadline"
+            assert silent.recv(1) == b""
+            assert time.monotonic() - started < 15
