@@ -24,6 +24,7 @@ connection, which is why it is a ``pool.tls.TlsStream`` and not an ``SSLSocket``
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
@@ -534,11 +535,26 @@ class _Server:
                 pass
 
     def _accept_loop(self) -> None:
+        last_log = 0.0
         while not self.closed:
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self.closed:
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors (a flood, or a busy process): back off and keep serving. Returning
+                    # here would stop this engine's server for good; spinning would burn a core.
+                    now = time.monotonic()
+                    if now - last_log >= 1.0:
+                        last_log = now
+                        log.warning("tcp accept failed, backing off 100 ms cause=%s",
+                                    errno.errorcode.get(exc.errno or 0, str(exc)))
+                    time.sleep(0.1)
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # that one connection went away before we took it
+                return  # the listening socket itself is gone
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self.lock:
                 self.conns.add(conn)

@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 import os
 import signal
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -249,3 +251,26 @@ def test_one_gib_kv_set_moves_between_processes(peer_factory: list[PeerProcess],
         remote = engine.open_remote(peer.descriptor)
         assert engine.route(remote)[0] == transport
         _move_gib(engine, remote, peer)
+
+
+def test_engine_out_of_descriptors_backs_off_and_keeps_serving(peer_factory: list[PeerProcess],
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    # Issue 12 finding 6 for the engine's tcp server: at the fd limit it used to leave its accept loop for good.
+    peer = _start(peer_factory, segment_bytes=MiB, node=_unique("peer"), transports="tcp",
+                  prefix=["prlimit", "--nofile=48:48"])
+    with TransferEngine(node=_unique("local"), transports=("tcp",)) as engine:
+        remote = engine.open_remote(peer.descriptor)
+        host, port = remote.descriptor.tcp_address
+        flood = []
+        try:
+            for _ in range(80):  # more than the peer has descriptors left: its accept() fails with EMFILE
+                flood.append(socket.create_connection((host, port), timeout=5))
+            deadline = time.monotonic() + 20
+            while not (out_of_fds := "tcp accept failed" in capfd.readouterr().err) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            for sock in flood:
+                sock.close()
+        engine.transfer([TransferRequest.write(remote, 0, b"still serving")], timeout_s=30)
+    assert peer.hash(0, 13) == _sha(b"still serving")
+    assert out_of_fds, "the peer never ran out of descriptors: the test did not test anything"
