@@ -160,7 +160,8 @@ def _run_load(cluster: LocalCluster, *, url: str, seconds: float) -> dict[str, o
             sampler.note(f"agent kill skipped: {exc}")
             return
         killed.append(pod)
-        sampler.note(f"killed agent {pod} (SIGKILL, no hand-off): requests go on, a miss is a miss")
+        sampler.note(f"killed agent {pod} (SIGKILL, no hand-off): requests go on, a miss is a miss",
+                     mark="agent killed")
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
@@ -174,7 +175,7 @@ def _run_load(cluster: LocalCluster, *, url: str, seconds: float) -> dict[str, o
     sampler.start()
     threading.Thread(target=killer, name="demo-agent-killer", daemon=True).start()
     try:
-        asyncio.run(workload.run(on_phase=lambda name: sampler.note(f"phase: {name}")))
+        asyncio.run(workload.run(on_phase=lambda name: sampler.note(f"phase: {name}", mark=name)))
         workload.phase = "done: waiting for the planner to scale in"
         deadline = time.monotonic() + SCALE_IN_WAIT_S
         # The scale-in window must pass after the step down; wait for it, bounded, so it shows.

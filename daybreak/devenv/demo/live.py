@@ -75,6 +75,7 @@ class Sampler:
     workload: Workload
     tty: bool
     notes: list[str] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)  # (seconds into the load, what)
     scale_events: list[ScaleEvent] = field(default_factory=list)
     replicas: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (desired, ready)
     agents: tuple[int, int] = (0, 0)
@@ -100,8 +101,13 @@ class Sampler:
         self._thread.join(timeout=10)
         self._scraper.close()
 
-    def note(self, text: str) -> None:
-        """Something the demo did (a phase, the agent kill); shown in the view and as a plain line."""
+    def note(self, text: str, *, mark: str | None = None) -> None:
+        """Something the demo did (a phase, the agent kill); shown in the view and as a plain line.
+
+        ``mark``: a short name for the summary's timeline (the dashboards draw it as a line).
+        """
+        if mark:
+            self.marks.append((round(self.workload.elapsed(), 1), mark))
         self.notes.append(f"t={self.workload.elapsed():5.1f}s {text}")
         if not self.tty:
             print(self.notes[-1], flush=True)

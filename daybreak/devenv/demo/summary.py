@@ -11,6 +11,7 @@ events, and the agent kill.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from daybreak.devenv.demo.live import Sampler
@@ -37,6 +38,9 @@ def build(workload: Workload, sampler: Sampler, *, killed_agent: str | None) -> 
                  for kind, s in by_kind.items()},
         trace_slice_reuse=trace_reuse(workload.sent_blocks),
         seconds=workload.seconds,
+        timeline=[{"at_s": at, "what": what} for at, what in sampler.marks],
+        # wall clock of t=0 above (phases, scale events): what Prometheus's samples line up against
+        load_started_unix=round(time.time() - workload.elapsed(), 3),
     )
     return out
 
