@@ -11,13 +11,14 @@ PYTEST_ARGS ?=
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv vllm-env tools rdma-deps lint typecheck test demo bench bench-deps crds image image-deps clean help
+.PHONY: all venv vllm-env tools rdma-deps lint typecheck test demo dashboards prometheus-deps bench bench-deps crds image image-deps clean help
 
 all: test
 
 help:
 	@echo "make test   - install into .venv, build the local control plane, lint, typecheck, run the tests"
 	@echo "make demo   - the local cluster with fake accelerator nodes, the chart, a stepped load and a live view (DEMO_SECONDS=N DEMO_JSON=FILE for scripts)"
+	@echo "make dashboards - a short demo with Prometheus, then docs/dashboards/*.png from the chart's dashboard queries"
 	@echo "make bench  - run the benchmarks against their anchors"
 	@echo "make crds   - regenerate crds/ from the API models"
 	@echo "make tools  - build (or find cached) kube-apiserver, etcd, kwok, helm, ..."
@@ -51,11 +52,21 @@ typecheck: venv
 	$(BIN)/python hack/linktree.py
 	$(BIN)/mypy
 
-test: venv tools rdma-deps vllm-env lint typecheck
+test: venv tools rdma-deps vllm-env prometheus-deps lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-demo: venv tools
+demo: venv tools prometheus-deps
 	$(BIN)/python -m daybreak.devenv.demo
+
+# docs/dashboards/*.png from a short demo run: the chart's dashboard queries against its Prometheus.
+DASHBOARD_SECONDS ?= 90
+dashboards: venv tools prometheus-deps
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[test,dashboards]'
+	DEMO_SECONDS=$(DASHBOARD_SECONDS) $(BIN)/python -m daybreak.devenv.dashboards
+
+# Debian's Prometheus server, which the demo runs when it is installed (about 11 s of apt-get here).
+prometheus-deps:
+	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 bench: venv tools bench-deps vllm-env
 	$(BIN)/daybreak bench all

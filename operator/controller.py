@@ -699,8 +699,9 @@ class Controller:
                         old_rev: str | None, new_rev: str) -> None:
         meta = body["metadata"]
         for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):
+            # role_replicas: the planner's decision while autoscaling is on, as the Deployment got it
             desired = ((pdd.spec.router.replicas if pdd.spec.router.enabled else 0) if role == Role.ROUTER
-                       else getattr(pdd.spec, role.value).replicas)
+                       else pdd_mod.role_replicas(pdd, role))
             metrics.ROLE_REPLICAS.labels(namespace=meta["namespace"], deployment=meta["name"],
                                          role=role.value).set(desired)
         for role in (*pdd_mod.ENGINE_ROLES, Role.ROUTER):

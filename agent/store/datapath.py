@@ -106,6 +106,9 @@ class StoreDataPath:
                 where = "" if block.staged is not None else self.segment_of(block.tier, block.segment)
                 # where == '': not in a registered segment (an SSD block staged in plain memory): GET it
                 infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, where, block.offset))
+            for block in blocks:  # handed out for one-sided reads; a staged SSD block goes by GET, counted there
+                if block is not None and block.staged is None:
+                    service.store.metrics.moved(service.one_sided_transport(block.tier), "read", block.size)
             # acquire() holds each block; the lease takes that hold over until RELEASE (or expiry)
             lease_id = self.store.lease(blocks)
             service.hold_lease(lease_id)
@@ -170,6 +173,8 @@ class StoreDataPath:
                     statuses.append(p.Status.OK)
             self.store.commit(bad, ok=False)
             self.store.commit(good)
+            for res in good:  # the one-sided writes that landed
+                service.store.metrics.moved(service.one_sided_transport(res.tier), "write", res.size)
             if header.flags & p.FLAG_RECORD and good:
                 service.records.send_later([r.key for r in good])
             service._blocks(conn, header, [p.BlockInfo(s, r.size if r else 0, r.checksum if r else 0)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one store: hits/misses per tier, bytes in/out, evictions, capacity, latency.
+"""Prometheus metrics of one store: hits/misses per tier, bytes in/out and per transport, evictions, capacity, latency.
 
 Each store owns a registry (not the process-global one), so several stores in
 one test process never collide and ``/metrics`` shows exactly one agent.
@@ -31,5 +31,15 @@ class StoreMetrics:
         self.used = Gauge("daybreak_store_used_bytes", "Bytes in use in a tier", ["tier"], registry=r)
         self.latency = Histogram("daybreak_store_request_seconds", "Time to serve one request, by op", ["op"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        # One counter for every path a block's bytes take to or from this agent, counted where they move:
+        # the store's stream (tcp, or tls when the listener wraps it), same-node memcpy through /dev/shm,
+        # and the transfer engine's one-sided moves into or out of the registered segments.
+        self.transport_bytes = Counter("daybreak_store_bytes", "Block bytes moved to (write) or from (read) this "
+                                       "agent, by transport", ["transport", "op"], registry=r)
         self.rejected = Counter("daybreak_store_connections_rejected", "Connections closed for a protocol or auth error",
                                 ["reason"], registry=r)
+
+    def moved(self, transport: str, op: str, nbytes: int) -> None:
+        """Count ``nbytes`` of block data moved by ``transport`` (shm, tcp, tls, link, rdma); op read or write."""
+        if nbytes:
+            self.transport_bytes.labels(transport=transport, op=op).inc(nbytes)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import ipaddress
 import logging
 import os
 import socket
@@ -131,6 +133,25 @@ class Service:
             p.Op.STATS: self._stats,
             p.Op.FLUSH_NAMESPACE: self._flush_namespace,
         }
+
+    @property
+    def stream_transport(self) -> str:
+        """The label of bytes moved over this service's own stream: ``tls`` when it wraps its connections."""
+        return "tcp" if self.tls is None else "tls"
+
+    def one_sided_transport(self, tier: str) -> str:
+        """The transport a transfer-engine move into or out of ``tier`` took, as far as this agent can tell.
+
+        The move is one-sided (the agent does not see it), so the label is inferred from the
+        connection that asked for it: a peer on this host maps the segment (shm; link for HBM),
+        any other reached it over rdma (the client picks the engine for host buffers only
+        where the first route is one-sided; device buffers across nodes are GDR).
+        """
+        session: Session | None = getattr(self._local, "session", None)
+        local = session is None or _on_this_host(session.peer.rpartition(":")[0].strip("[]"))
+        if local:
+            return "link" if tier == "hbm" else "shm"
+        return "rdma"
 
     @property
     def agent_id(self) -> str:
@@ -384,6 +405,7 @@ class Service:
             self.store.commit(written, ok=False)
             raise
         self.store.commit(written)
+        self.store.metrics.moved(self.stream_transport, "write", header.data_len)
         if header.flags & p.FLAG_RECORD and written:
             self.records.send_later([r.key for r in written])
         self._blocks(conn, header, infos)
@@ -469,6 +491,8 @@ class Service:
             view = self.store.write_buffer(r)
             (good if abort or crc32c(view) == r.checksum else []).append(r)
         self.store.commit(good, ok=not abort)
+        if not abort:  # the client's memcpy into the mapped segment (ALLOC) moved these
+            self.store.metrics.moved("shm", "write", sum(r.size for r in good))
         self.store.commit([r for r in done if r not in good], ok=False)
         if header.flags & p.FLAG_RECORD and not abort and good:
             self.records.send_later([r.key for r in good])
@@ -501,6 +525,7 @@ class Service:
                     infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum))
                     data.append(self.store.read_view(block))
             self._reply(conn, header.request_id, p.BlocksReply(infos).encode(), data)
+            self.store.metrics.moved(self.stream_transport, "read", sum(len(d) for d in data))
         finally:
             self.store.release(blocks)
 
@@ -524,6 +549,8 @@ class Service:
             else:
                 # where == '': not mappable from another process, the client falls back to GET for it
                 infos.append(p.BlockInfo(p.Status.OK, block.size, block.checksum, where, offset))
+        # The client copies these out of the mapped segment under the lease: counted as they are handed out.
+        self.store.metrics.moved("shm", "read", sum(i.size for i in infos if i.status == p.Status.OK and i.where))
         lease_id = self.store.lease(blocks)
         if session is not None:
             session.leases.add(lease_id)
@@ -627,6 +654,23 @@ class _HelloChannel:
 
     def send_refusal(self, reason: str) -> None:
         self._error(self._conn, self.request_id, f"authentication failed: {reason}")
+
+
+@functools.cache
+def _host_addresses() -> frozenset[str]:
+    try:
+        return frozenset(str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        return frozenset()
+
+
+def _on_this_host(host: str) -> bool:
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        return False
+    return host in _host_addresses()
 
 
 def _rss_bytes() -> int:

@@ -1,8 +1,9 @@
 """The demo's live view: what the cluster and the workload are doing, sampled once a second.
 
 A ``Sampler`` thread reads the API (role Deployments, the agents' DaemonSet,
-``Autoscaled`` Events) and the engines' ``/metrics`` (KV bytes moved), and the
-workload's records (requests/s, TTFT, hit rate). On a terminal it redraws one
+``Autoscaled`` Events), the engines' ``/metrics`` (KV bytes they moved) and the
+agents' ``/metrics`` (block bytes per transport, ``daybreak_store_bytes_total``),
+and the workload's records (requests/s, TTFT, hit rate). On a terminal it redraws one
 screen in place with plain ANSI codes; otherwise it prints a progress line
 every 5 s and one line per planner decision as it happens.
 """
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "router")
 _EVENT = re.compile(r"^(?P<role>prefill|decode) (?P<from>\d+) -> (?P<to>\d+): (?P<reason>.*)$", re.S)
 _KV_BYTES = re.compile(r'^daybreak_engine_kv_bytes_total\{[^}]*direction="(read|written)"[^}]*\}\s+(\S+)$', re.M)
+_STORE_BYTES = re.compile(r'^daybreak_store_bytes_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 MAX_METRICS_BYTES = 4 << 20
 
 
@@ -46,6 +49,23 @@ class ScaleEvent:
 
 
 @dataclass
+class _Counted:
+    """A scraped counter across restarts of its process: ``total`` is what it counted in all of its lives."""
+
+    last: float = 0.0
+    base: float = 0.0
+
+    def see(self, value: float) -> None:
+        if value < self.last:  # reset: the process restarted
+            self.base += self.last
+        self.last = value
+
+    @property
+    def total(self) -> float:
+        return self.base + self.last
+
+
+@dataclass
 class Sampler:
     """Samples the cluster in a thread while the workload runs; ``stop()`` ends it."""
 
@@ -55,11 +75,15 @@ class Sampler:
     workload: Workload
     tty: bool
     notes: list[str] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)  # (seconds into the load, what)
     scale_events: list[ScaleEvent] = field(default_factory=list)
     replicas: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (desired, ready)
     agents: tuple[int, int] = (0, 0)
     # Engine counters per pod, last value seen: a scaled-in pod's bytes stay counted.
     kv_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Agent counters per (pod, transport, op): a restarted agent starts from zero again (the kill), so
+    # what it had counted before is kept as a base under the new count.
+    store_bytes: dict[tuple[str, str, str], _Counted] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -77,17 +101,31 @@ class Sampler:
         self._thread.join(timeout=10)
         self._scraper.close()
 
-    def note(self, text: str) -> None:
-        """Something the demo did (a phase, the agent kill); shown in the view and as a plain line."""
+    def note(self, text: str, *, mark: str | None = None) -> None:
+        """Something the demo did (a phase, the agent kill); shown in the view and as a plain line.
+
+        ``mark``: a short name for the summary's timeline (the dashboards draw it as a line).
+        """
+        if mark:
+            self.marks.append((round(self.workload.elapsed(), 1), mark))
         self.notes.append(f"t={self.workload.elapsed():5.1f}s {text}")
         if not self.tty:
             print(self.notes[-1], flush=True)
 
     def bytes_moved(self) -> dict[str, float]:
+        """The engines' KV bytes, by direction (``read``, ``written``)."""
         out = {"read": 0.0, "written": 0.0}
         for per_pod in self.kv_bytes.values():
             for direction, value in per_pod.items():
                 out[direction] = out.get(direction, 0.0) + value
+        return out
+
+    def bytes_by_transport(self) -> dict[str, dict[str, float]]:
+        """The agents' block bytes: transport -> {"read", "written"} (the store's op write counts as written)."""
+        out: dict[str, dict[str, float]] = {}
+        for (_, transport, op), counted in self.store_bytes.items():
+            per = out.setdefault(transport, {"read": 0.0, "written": 0.0})
+            per["written" if op == "write" else "read"] += counted.total
         return out
 
     # -- sampling ---------------------------------------------------------------------------------
@@ -119,7 +157,7 @@ class Sampler:
                 st = ds.get("status") or {}
                 self.agents = (int(st.get("desiredNumberScheduled") or 0), int(st.get("numberReady") or 0))
         self._events()
-        self._engines()
+        self._pods()
 
     def _events(self) -> None:
         r = self.api.get(f"/api/v1/namespaces/{self.namespace}/events",
@@ -139,25 +177,40 @@ class Sampler:
             self.scale_events.append(ev)
             self.note(f"planner: {ev.role} {ev.from_replicas} -> {ev.to_replicas} ({ev.reason[:100]})")
 
-    def _engines(self) -> None:
-        r = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods",
-                         params={"labelSelector": f"daybreak.dev/deployment={self.deployment}"})
+    def _pods(self) -> None:
+        r = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods")
         if r.status_code != 200:
             return
         for pod in r.json()["items"]:
-            role = (pod["metadata"].get("labels") or {}).get("daybreak.dev/role")
-            ip = (pod.get("status") or {}).get("podIP")
-            if role not in ("prefill", "decode") or not ip:
+            labels = pod["metadata"].get("labels") or {}
+            name, ip = pod["metadata"]["name"], (pod.get("status") or {}).get("podIP")
+            if not ip:
                 continue
-            try:
-                resp = self._scraper.get(f"http://{ip}:8000/metrics")
-            except httpx.HTTPError:
-                continue
-            if resp.status_code != 200 or len(resp.content) > MAX_METRICS_BYTES:
-                continue
-            per_pod = self.kv_bytes.setdefault(pod["metadata"]["name"], {})
-            for direction, value in _KV_BYTES.findall(resp.text):
-                per_pod[direction] = max(per_pod.get(direction, 0.0), float(value))
+            if labels.get("daybreak.dev/deployment") == self.deployment and \
+                    labels.get("daybreak.dev/role") in ("prefill", "decode"):
+                text = self._scrape(f"http://{ip}:8000/metrics")
+                per_pod = self.kv_bytes.setdefault(name, {})
+                for direction, value in _KV_BYTES.findall(text):
+                    per_pod[direction] = max(per_pod.get(direction, 0.0), float(value))
+            elif labels.get("app.kubernetes.io/name") == "daybreak-agent":
+                ports = [p.get("containerPort") for c in pod["spec"].get("containers") or []
+                         for p in c.get("ports") or [] if p.get("name") == "metrics"]
+                if not ports:
+                    continue
+                text = self._scrape(f"http://{ip}:{ports[0]}/metrics")
+                for m in _STORE_BYTES.finditer(text):
+                    lab = dict(_LABEL.findall(m["labels"]))
+                    key = (name, lab.get("transport", "?"), lab.get("op", "?"))
+                    self.store_bytes.setdefault(key, _Counted()).see(float(m["value"]))
+
+    def _scrape(self, url: str) -> str:
+        try:
+            resp = self._scraper.get(url)
+        except httpx.HTTPError:
+            return ""
+        if resp.status_code != 200 or len(resp.content) > MAX_METRICS_BYTES:
+            return ""
+        return resp.text
 
     # -- rendering --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -176,15 +229,14 @@ class Sampler:
         s = self.stats()
         roles = " ".join(f"{role}={self.replicas.get(role, (0, 0))[1]}/{self.replicas.get(role, (0, 0))[0]}"
                          for role in ROLES)
-        moved = self.bytes_moved()
+        moved = " ".join(f"{t}_read={_mb(v['read'])} {t}_written={_mb(v['written'])}"
+                         for t, v in sorted(self.bytes_by_transport().items())) or "moved=-"
         return (f"t={self.workload.elapsed():5.1f}s [{self.workload.phase}] req/s={s['rps']:.2f} "
                 f"ttft_p50={_ms(s['ttft_p50'])} p90={_ms(s['ttft_p90'])} hit={_pct(s['hit_rate'])} "
-                f"done={s['done']} failed={s['failed']} {roles} agents={self.agents[1]}/{self.agents[0]} "
-                f"kv_tcp_read={_mb(moved['read'])} written={_mb(moved['written'])}")
+                f"done={s['done']} failed={s['failed']} {roles} agents={self.agents[1]}/{self.agents[0]} {moved}")
 
     def screen(self) -> str:
         s = self.stats()
-        moved = self.bytes_moved()
         rows = [
             f"Daybreak demo  t={self.workload.elapsed():5.1f}s  phase: {self.workload.phase}   (Ctrl-C stops)",
             "",
@@ -192,7 +244,8 @@ class Sampler:
             f"in flight {s['in_flight']}",
             f"  TTFT p50 / p90      {_ms(s['ttft_p50']):>8} / {_ms(s['ttft_p90'])}   (last 30 s)",
             f"  hit rate            {_pct(s['hit_rate']):>8}     (prompt tokens whose KV was not computed)",
-            f"  KV bytes over tcp   read {_mb(moved['read'])}  written {_mb(moved['written'])}",
+            *[f"  bytes over {t:<8}  read {_mb(v['read'])}  written {_mb(v['written'])}   (agents' counters)"
+              for t, v in sorted(self.bytes_by_transport().items())],
             "",
             "  replicas (ready/desired)",
         ]
