@@ -198,6 +198,24 @@ def start_datapath(settings: AgentSettings, *, store: Any, token: bytes, runtime
     return datapath
 
 
+class AgentRegistry:
+    """What the agent's /metrics serves: its store's own registry plus the process-wide one.
+
+    The store keeps a registry of its own (several stores share a test process); the transfer engine's
+    counters (fallbacks, tripped paths, bytes per transport) and the process metrics live in the
+    process-wide registry, and an agent runs one engine, so serving both loses nothing and mixes nothing.
+    """
+
+    def __init__(self, store_registry: Any) -> None:
+        self._store = store_registry
+
+    def collect(self) -> Any:
+        from prometheus_client import REGISTRY
+
+        yield from self._store.collect()
+        yield from REGISTRY.collect()
+
+
 def start_store(settings: AgentSettings) -> Any:
     """Open the tiers, start serving and log ``ready``; returns the running StoreServer."""
     from daybreak.pool.connection import parse_address
@@ -210,7 +228,7 @@ def start_store(settings: AgentSettings) -> Any:
         # On the store's own address: agents of several fake nodes share one host (the local cluster), and
         # --listen 127.0.0.1 keeps /metrics off the network too.
         start_http_server(settings.metrics_port, addr=parse_address(settings.listen)[0],
-                          registry=server.store.metrics.registry)
+                          registry=AgentRegistry(server.store.metrics.registry))
     server.start()
     stats = server.store.stats()
     log.info("event=ready agent=%s pool=%s blocks=%d dram_bytes=%d peers=%d", server.agent_id, server.pool,

@@ -60,7 +60,9 @@ class AgentMetrics:
     bytes_out: dict[str, float] = field(default_factory=dict)
     """Bytes read out, per tier."""
     transfer_bytes: dict[str, float] = field(default_factory=dict)
-    """Bytes moved per transport (when the agent exports the transfer engine's counters)."""
+    """Block bytes the store moved, per transport (``daybreak_store_bytes_total``, reads and writes)."""
+    fallback_bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes the transfer engine moved on a later transport than the preferred one, per ``preferred->used``."""
 
     @property
     def lookups(self) -> float:
@@ -102,10 +104,16 @@ class PoolView:
         return [t.value for t in self.pool.spec.transport.preference if t.value in offered]
 
     def transfer_bytes(self) -> dict[str, float]:
+        return self._summed("transfer_bytes")
+
+    def fallback_bytes(self) -> dict[str, float]:
+        return self._summed("fallback_bytes")
+
+    def _summed(self, counter: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for agent in self._reached():
-            for transport, value in agent.transfer_bytes.items():
-                out[transport] = out.get(transport, 0.0) + value
+            for label, value in getattr(agent, counter).items():
+                out[label] = out.get(label, 0.0) + value
         return out
 
 
@@ -344,6 +352,9 @@ def _agent_section(snapshot: Snapshot) -> list[str]:
                   *table(["NODE", "METRICS", "HIT RATE", "READ", "STATUS"], rows, keep=(4,))]
     moved_rows = [[view.key, transport, human_bytes(value)]
                   for view in snapshot.pools for transport, value in sorted(view.transfer_bytes().items())]
+    # Bytes a later transport moved because the preferred one failed: never a silent fallback.
+    moved_rows += [[view.key, f"{pair} (fallback)", human_bytes(value)]
+                   for view in snapshot.pools for pair, value in sorted(view.fallback_bytes().items()) if value]
     if moved_rows:
         lines += ["TRANSFERS", *table(["POOL", "TRANSPORT", "BYTES MOVED"], moved_rows)]
     return lines
@@ -458,10 +469,12 @@ def snapshot_dict(snapshot: Snapshot) -> dict[str, Any]:
             "nodes": st.nodes.to_dict(), "hitRate": view.hit_rate(), "transports": view.transports(),
             "tiers": {tier: {"capacityBytes": getattr(st.capacity, tier), "usedBytes": getattr(st.used, tier),
                              "hitRate": view.tier_hit_rate(tier)} for tier in TIERS},
-            "transferBytes": view.transfer_bytes(), "metricsPort": view.metrics_port,
+            "transferBytes": view.transfer_bytes(), "fallbackBytes": view.fallback_bytes(),
+            "metricsPort": view.metrics_port,
             "agents": [{"node": a.node, "endpoint": a.endpoint, "reachable": a.error is None, "error": a.error,
                         "hitRate": a.hit_rate(), "hits": a.hits, "misses": a.misses, "bytesOut": a.bytes_out,
-                        "transferBytes": a.transfer_bytes} for a in view.agents],
+                        "transferBytes": a.transfer_bytes, "fallbackBytes": a.fallback_bytes}
+                       for a in view.agents],
         })
     deployments = []
     for d in snapshot.deployments:
@@ -501,9 +514,12 @@ def parse_metrics(text: str, agent: AgentMetrics) -> None:
             elif name == "daybreak_store_bytes_out_total":
                 tier = labels.get("tier", "?")
                 agent.bytes_out[tier] = agent.bytes_out.get(tier, 0.0) + value
-            elif name == "daybreak_transfer_bytes_total":
+            elif name == "daybreak_store_bytes_total":
                 transport = labels.get("transport", "?")
                 agent.transfer_bytes[transport] = agent.transfer_bytes.get(transport, 0.0) + value
+            elif name == "daybreak_transfer_fallback_bytes_total":
+                pair = f"{labels.get('preferred', '?')}->{labels.get('used', '?')}"
+                agent.fallback_bytes[pair] = agent.fallback_bytes.get(pair, 0.0) + value
 
 
 def _host_port(address: str, port: int) -> str:

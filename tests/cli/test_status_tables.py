@@ -138,3 +138,22 @@ def test_every_line_fits_100_columns_even_with_long_names_and_messages() -> None
 def test_table_clips_the_widest_column_first() -> None:
     lines = table(["A", "B"], [["short", "z" * 200]], width=40)
     assert all(len(line) <= 40 for line in lines) and lines[1].startswith("short  zzz") and lines[1].endswith("...")
+
+
+def test_agent_metrics_carry_store_bytes_per_transport_and_the_engines_fallback_bytes() -> None:
+    """What an agent's /metrics serves (its store's registry plus the process-wide one) reaches the table."""
+    from daybreak.agent.main import AgentRegistry
+    from daybreak.agent.transfer import metrics as transfer_metrics
+
+    store = StoreMetrics()
+    store.moved("shm", "read", 3 << 20)
+    store.moved("tcp", "write", 1 << 20)
+    before = transfer_metrics.FALLBACK_BYTES.labels(preferred="rdma", used="tcp")._value.get()
+    transfer_metrics.FALLBACK_BYTES.labels(preferred="rdma", used="tcp").inc(4096)
+    agent = AgentMetrics(node="n1", endpoint="10.0.0.1:9401")
+    parse_metrics(generate_latest(AgentRegistry(store.registry)).decode(), agent)  # type: ignore[arg-type]
+    assert agent.transfer_bytes == {"shm": float(3 << 20), "tcp": float(1 << 20)}
+    assert agent.fallback_bytes["rdma->tcp"] == before + 4096
+    view = PoolView(pool=_pool("p"), metrics_port=9401, agents=[agent])
+    text = render_table(Snapshot(server="https://127.0.0.1:6443", namespace=None, now=NOW, pools=[view]))
+    assert "rdma->tcp (fallback)" in text and "3.0 MiB" in text
