@@ -149,6 +149,17 @@ class AuthSpec(ApiModel):
     (Secret <pool>-token) once and never rotates it by itself."""
 
 
+class TLSSpec(ApiModel):
+    """TLS on the pool's tcp paths (the store protocol and the transfer engine), from one Secret."""
+
+    secret_name: str = Field(min_length=1, max_length=253,
+                             pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    """A kubernetes.io/tls Secret in the pool's namespace with tls.crt, tls.key and ca.crt (the
+    cert-manager convention). Agents serve tls.crt and check peers against ca.crt; engines and the
+    router get ca.crt only. The certificate must name every address clients dial: the agents' node
+    addresses (agents use the host network) and the agents' Service name."""
+
+
 class AgentSpec(ApiModel):
     """The node agent DaemonSet."""
 
@@ -179,6 +190,8 @@ class KVPoolSpec(ApiModel):
     """How long a reader's lease protects a block from eviction."""
     auth: AuthSpec | None = None
     """Pool token; generated when absent."""
+    tls: TLSSpec | None = None
+    """TLS on every tcp path of the pool (docs/security.md has the cost); plain tcp when absent."""
     agent: AgentSpec = nested(AgentSpec)
     """Node agent settings."""
 

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from daybreak.client import KVPoolClient, KVPoolError
+from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
 from daybreak.connectors.blocks import (
     BlockTransfer,
     BlockViews,
@@ -134,7 +134,7 @@ class DaybreakConnector(KVConnectorBase_V1):
             # vLLM's default fails the request on a load error; a cache miss must only cost time.
             transfer.kv_load_failure_policy = policy
         self._client = KVPoolClient(list(self._settings.endpoints), token=self._settings.token,
-                                    namespace=self._settings.namespace)
+                                    namespace=self._settings.namespace, tls_ca_file=pool_tls_ca_file())
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
         # request id -> (first block to load, blocks loadable from it, leading blocks in the pool) of the last lookup

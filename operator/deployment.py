@@ -32,11 +32,12 @@ from typing import Any
 from daybreak.api.kvcompat import EngineKind
 from daybreak.api.kvpool import KVPool, Transport
 from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
+from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
 from daybreak.operator.policy import PolicyError, engine_pod_violations
-from daybreak.operator.pool import PoolNames
+from daybreak.operator.pool import TLS_CA_KEY, PoolNames
 from daybreak.pool.engine_secret import SECRET_KEY, credential_secret_name
 
 # The downward API fields every serving pod gets (engines and the router bind $(POD_IP)).
@@ -105,6 +106,27 @@ def pool_token_env(pdd: PDDeployment) -> dict[str, Any]:
             "valueFrom": {"secretKeyRef": {"name": name, "key": SECRET_KEY, "optional": False}}}
 
 
+POOL_CA_DIR = "/var/run/daybreak/pool-ca"
+
+
+def pool_ca_env(pool: KVPool) -> list[dict[str, Any]]:
+    """``DAYBREAK_POOL_TLS_CA_FILE`` for a pool with spec.tls (every engine's client reads it), else nothing."""
+    return [{"name": POOL_TLS_CA_ENV, "value": f"{POOL_CA_DIR}/{TLS_CA_KEY}"}] if pool.spec.tls else []
+
+
+def pool_ca_mount(pool: KVPool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) giving a serving pod the pool's CA, for a pool with spec.tls.
+
+    A projected volume with ``items: [ca.crt]``: the Secret also holds the agents' private key, and an
+    engine never gets it (the kubelet writes only the listed keys into the pod).
+    """
+    if pool.spec.tls is None:
+        return [], []
+    source = {"secret": {"name": pool.spec.tls.secret_name, "items": [{"key": TLS_CA_KEY, "path": TLS_CA_KEY}]}}
+    return ([{"name": "pool-ca", "projected": {"sources": [source]}}],
+            [{"name": "pool-ca", "mountPath": POOL_CA_DIR, "readOnly": True}])
+
+
 def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
     spec = pdd.spec
     layout = spec.model.kv_layout
@@ -126,6 +148,7 @@ def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, An
         {"name": "DAYBREAK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "DAYBREAK_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "DAYBREAK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *pool_ca_env(pool),
     ]
     user = [e.to_dict() for e in spec.engine.env]
     overridden = {u["name"] for u in user}
@@ -208,6 +231,10 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
         # Same-node zero copy: the agent's DRAM segments live in the host's /dev/shm.
         pod_spec["volumes"] = [{"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]
         container["volumeMounts"] = [{"name": "dev-shm", "mountPath": "/dev/shm"}]
+    ca_volumes, ca_mounts = pool_ca_mount(pool)
+    if ca_volumes:
+        pod_spec["volumes"] = pod_spec.get("volumes", []) + ca_volumes
+        container["volumeMounts"] = container.get("volumeMounts", []) + ca_mounts
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
     template: dict[str, Any] = {
@@ -227,7 +254,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
     names = DeploymentNames(pdd.metadata.name or "")
     ns = pdd.metadata.namespace or ""
     layout = pdd.spec.model.kv_layout
-    return {
+    ca_volumes, ca_mounts = pool_ca_mount(pool)
+    template: Manifest = {
         "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
         "spec": {"serviceAccountName": names.serving_account, "containers": [{
             "name": "router",
@@ -245,11 +273,16 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
                 {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
                 {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
                 {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
+                *pool_ca_env(pool),
             ],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "readinessProbe": copy.deepcopy(HEALTH_PROBE),
         }]},
     }
+    if ca_volumes:
+        template["spec"]["volumes"] = ca_volumes
+        template["spec"]["containers"][0]["volumeMounts"] = ca_mounts
+    return template
 
 
 def role_replicas(pdd: PDDeployment, role: Role) -> int:

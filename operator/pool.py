@@ -52,6 +52,8 @@ CONFIG_DIR = "/etc/daybreak"
 AGENT_CONFIG_FILE = "agent.yaml"
 POOL_FILE = "pool.json"
 TOKEN_DIR = "/var/run/daybreak/token"
+TLS_DIR = "/var/run/daybreak/tls"  # the pool's spec.tls Secret (kubernetes.io/tls keys, cert-manager's ca.crt)
+TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"
 HOST_SYS = "/host/sys"
 CONFIG_HASH_ANNOTATION = "daybreak.dev/config-hash"
 
@@ -135,6 +137,10 @@ def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
         "lease_seconds": spec.lease_seconds,
         "transports": [t.value for t in spec.transport.preference],
     }
+    if spec.tls is not None:
+        # The standalone agent's TLS settings, pointed at the mounted Secret: both tcp paths serve TLS only.
+        candidate |= {"tls_cert_file": f"{TLS_DIR}/{TLS_CERT_KEY}", "tls_key_file": f"{TLS_DIR}/{TLS_KEY_KEY}",
+                      "tls_ca_file": f"{TLS_DIR}/{TLS_CA_KEY}"}
     known = AgentSettings.model_fields
     values = {k: v for k, v in candidate.items() if k in known}
     # Validate now: a config the agent would refuse must fail the reconcile, not crash-loop the DaemonSet.
@@ -270,6 +276,10 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
         {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if spec.tls is not None:
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "items": [
+            {"key": key, "path": key} for key in (TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY)]}})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     root = agent_needs_root(pool)
     init: list[dict[str, Any]] = []
     ssd = spec.tiers.ssd

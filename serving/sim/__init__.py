@@ -3,7 +3,7 @@
 Settings come from flags, each with an environment fallback so the operator's
 pod env works unchanged (``DAYBREAK_ROLE``, ``DAYBREAK_POOL_ENDPOINTS``,
 ``DAYBREAK_POOL_TOKEN``, ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_KV_LAYOUT``,
-``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_MODEL``, ``POD_IP``); they are gathered
+``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_MODEL``, ``DAYBREAK_POOL_TLS_CA_FILE``, ``POD_IP``); they are gathered
 in one ``Settings`` object, printed at start-up. See docs/serving.md.
 
 SIGTERM drains: ``/health`` turns 503 at once, accepted requests finish, the
@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from daybreak.api.kvcompat import KVLayout
-from daybreak.client import KVPoolClient, KVPoolError
+from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
 from daybreak.serving.sim.costmodel import CostModel, knob_names
 from daybreak.serving.sim.engine import Engine, EngineConfig, Role
 from daybreak.serving.sim.kv import PoolIO
@@ -71,6 +71,8 @@ class Settings:
     max_model_len: int = 131072
     drain_seconds: float = 30.0
     pool_workers: int = 4
+    pool_tls_ca_file: str | None = None
+    """CA bundle the agents' TLS certificates are checked against; None: plain tcp."""
 
     def describe(self) -> str:
         """One log line of key=value pairs (the token left out)."""
@@ -79,6 +81,7 @@ class Settings:
                 f"kv_namespace={self.kv_namespace} block_tokens={self.layout.block_tokens} "
                 f"block_bytes={self.block_bytes} model_block_bytes={self.layout.bytes_per_block} "
                 f"pool={'none' if self.no_pool else (self.pool_ref or ','.join(self.pool_endpoints))} "
+                f"pool_tls={'ca:' + self.pool_tls_ca_file if self.pool_tls_ca_file else 'off'} "
                 f"max_batch={self.engine.max_batch} max_step_tokens={self.engine.max_step_tokens} "
                 f"local_cache_blocks={self.engine.local_cache_blocks} {cost}")
 
@@ -101,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pool token ($DAYBREAK_POOL_TOKEN); prefer --token-file")
     parser.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE", default=""),
                         help="file holding the pool token")
+    parser.add_argument("--pool-tls-ca", default="", metavar="FILE",
+                        help="speak TLS to the agents, checking them against this CA bundle "
+                             "(default $DAYBREAK_POOL_TLS_CA_FILE; unset: plain tcp)")
     parser.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE", default="sim"),
                         help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE)")
     parser.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT", default=json.dumps(DEFAULT_LAYOUT)),
@@ -160,11 +166,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
                           local_cache_blocks=args.local_cache_blocks, cost=cost)
     if args.pool_workers < 1:
         raise ValueError("--pool-workers must be at least 1")
+    tls_ca_file = None if args.no_pool else pool_tls_ca_file(override=args.pool_tls_ca)
     return Settings(host=args.host, port=args.port, role=Role(args.role), model=args.model,
                     kv_namespace=args.kv_namespace, layout=layout, block_bytes=block_bytes,
                     pool_endpoints=endpoints, pool_ref=args.pool_ref, token=token, no_pool=args.no_pool,
                     engine=engine, max_model_len=args.max_model_len, drain_seconds=args.drain_seconds,
-                    pool_workers=args.pool_workers)
+                    pool_workers=args.pool_workers, pool_tls_ca_file=tls_ca_file)
 
 
 def endpoint_addresses(kvpool: Any) -> list[str]:
@@ -214,7 +221,8 @@ async def _connect_pool(settings: Settings, stop: asyncio.Event) -> PoolIO | Non
     def connect() -> KVPoolClient:
         if not current:
             raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
-        return KVPoolClient(list(current), token=settings.token, namespace=settings.kv_namespace)
+        return KVPoolClient(list(current), token=settings.token, namespace=settings.kv_namespace,
+                            tls_ca_file=settings.pool_tls_ca_file)
 
     async def refresh() -> None:
         try:
