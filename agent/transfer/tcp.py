@@ -51,6 +51,7 @@ from daybreak.agent.transfer.control import (
     server_handshake,
 )
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
+from daybreak.errors import DaybreakError
 from daybreak.pool.admission import Admission, Caps
 from daybreak.pool.sockets import Stream, recv_exact_into, send_all
 from daybreak.pool.tls import TlsContexts
@@ -607,7 +608,7 @@ class _Server:
             conn.close()
 
 
-class IdleTimeout(TimeoutError):
+class IdleTimeout(DaybreakError, TimeoutError):
     """An authenticated connection sent no frame within the server's ``idle_seconds``."""
 
 
