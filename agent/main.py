@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handshake-seconds", type=float, help="deadline of a connection's whole handshake")
     parser.add_argument("--idle-seconds", type=float, help="close authenticated connections idle this long")
     parser.add_argument("--io-seconds", type=float, help="deadline of a request's body or reply")
-    parser.add_argument("--max-connections", type=int, help="connections per agent")
-    parser.add_argument("--max-connections-per-address", type=int, help="connections per client address")
+    parser.add_argument("--max-connections", type=int, help="connections per tcp server (store, transfer engine)")
+    parser.add_argument("--max-connections-per-address", type=int, help="connections per client address, per tcp server")
     parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers idle this long")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
