@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handshake-seconds", type=float, help="deadline of a connection's whole handshake")
     parser.add_argument("--idle-seconds", type=float, help="close authenticated connections idle this long")
     parser.add_argument("--io-seconds", type=float, help="deadline of a request's body or reply")
-    parser.add_argument("--max-connections", type=int, help="connections per agent")
-    parser.add_argument("--max-connections-per-address", type=int, help="connections per client address")
+    parser.add_argument("--max-connections", type=int, help="connections per tcp server (store, transfer engine)")
+    parser.add_argument("--max-connections-per-address", type=int, help="connections per client address, per tcp server")
     parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers idle this long")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
@@ -250,6 +250,44 @@ def stop_store(server: Any, *, remove: bool = False) -> None:
     log.info("event=stopped agent=%s", server.agent_id)
 
 
+STOP_DECISION_SECONDS = 10.0  # of the pod's 60 s grace period: the hand-off to other agents needs the rest
+
+
+def stop_pool_store(settings: AgentSettings, server: Any) -> None:
+    """Pool mode's SIGTERM: keep the tier for re-adoption only when the pool still selects this node.
+
+    The pool watch may already have seen the KVPool deleted (``flush_on_stop``); otherwise the API decides
+    (``agent.flush.pool_keeps_node``). When it cannot be asked, the tier is kept: a later agent on this
+    node re-adopts it or reclaims it as an orphan (``orphan_seconds``), while removing it could lose a
+    restart's blocks.
+    """
+    remove = bool(getattr(server, "flush_on_stop", False))
+    reason = "pool_deleted" if remove else ""
+    if not remove and settings.pool_name and settings.pool_namespace and settings.node_name:
+        from daybreak.agent.flush import readopted_after_stop
+        from daybreak.agent.publish import load_client
+
+        async def ask() -> tuple[bool, str]:
+            api = await load_client(settings.kubeconfig)
+            try:
+                return await asyncio.wait_for(readopted_after_stop(
+                    api, namespace=settings.pool_namespace, pool=settings.pool_name, node=settings.node_name),
+                    timeout=STOP_DECISION_SECONDS)
+            finally:
+                await api.close()
+
+        try:
+            keep, reason = asyncio.run(ask())
+            remove = not keep
+        except Exception as exc:  # the API down or refusing: keeping is the recoverable choice
+            reason = f"api_unavailable:{type(exc).__name__}"
+            log.warning("event=stop_decision_failed agent=%s error=%r action=keep_tier", server.agent_id, str(exc))
+    log.info("event=stop_decision agent=%s node=%s pool=%s/%s tier=%s reason=%s", server.agent_id,
+             settings.node_name or "-", settings.pool_namespace, settings.pool_name,
+             "remove" if remove else "keep", reason or "no_pool_or_node_name")
+    stop_store(server, remove=remove)
+
+
 def serve_store(settings: AgentSettings, *, stop: threading.Event) -> int:
     """Standalone: run the store until ``stop`` is set."""
     server = start_store(settings)
@@ -377,4 +415,4 @@ def run(args: argparse.Namespace) -> int:
         return _run_node(settings, stop, server)
     finally:
         if server is not None:
-            stop_store(server)
+            stop_pool_store(settings, server)

@@ -62,11 +62,14 @@ class AgentSettings(BaseModel):
     lease_seconds: int = Field(10, ge=1, le=3600, description="how long a reader's lease protects a block")
     handshake_seconds: float = Field(10.0, gt=0, le=300, description="one deadline for a connection's whole "
                                      "handshake")
-    idle_seconds: float = Field(300.0, gt=0, description="an authenticated connection idle this long is closed")
+    idle_seconds: float = Field(300.0, gt=0, description="an authenticated connection idle this long is closed "
+                                "(store and transfer engine)")
     io_seconds: float = Field(30.0, gt=0, description="deadline of one request's body or reply (plus size at "
                               "16 MiB/s)")
-    max_connections: int = Field(1024, ge=1, description="connections per agent")
-    max_connections_per_address: int = Field(256, ge=1, description="connections per client address")
+    max_connections: int = Field(1024, ge=1, description="connections per tcp server (the store's and the "
+                                 "transfer engine's each; pool.admission)")
+    max_connections_per_address: int = Field(256, ge=1, description="connections per client address, per tcp "
+                                             "server")
     tls_cert_file: str = Field("", description="PEM certificate both tcp servers (the store's and the transfer "
                                "engine's) serve TLS with, and then require; empty: plain tcp")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

@@ -6,14 +6,14 @@ work stays short under the store's lock. A connection that fails the
 handshake, sends a malformed or oversized frame, or asks for something outside
 its credential's scope is closed with a logged reason; no other connection
 notices. Every wait has a deadline (handshake, idle, request body, reply) and
-connections are capped per agent and per address (``Limits``). ``HANDLERS`` maps every request op to one method; an op
+connections are capped per agent and per address (``Limits``, through ``pool.admission``,
+as the transfer engine's server is). ``HANDLERS`` maps every request op to one method; an op
 without a handler (REPLY, ERROR, a second HELLO) is a protocol error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import ipaddress
 import logging
@@ -22,7 +22,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from daybreak.agent.store.records import Records
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
+from daybreak.pool.admission import Admission, Caps
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.credentials import Scope
 from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, server_accept
@@ -80,6 +80,11 @@ class Limits:
     def deadline(self, nbytes: int) -> float:
         return time.monotonic() + self.io_seconds + nbytes / _WIRE_BYTES_PER_SECOND
 
+    def caps(self) -> Caps:
+        """The connection caps, enforced by ``pool.admission`` (the transfer engine's server uses the same)."""
+        return Caps(self.max_connections, self.max_connections_per_address, self.max_preauth,
+                    self.max_preauth_per_address)
+
 
 @dataclass
 class Session:
@@ -111,12 +116,9 @@ class Service:
         self.limits = limits or Limits()
         self.tls = tls
         self.closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        self._preauth: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first -> peer host
-        self._per_host: Counter[str] = Counter()
+        self.admission = Admission(self.limits.caps(), label=f"server=store agent={self.agent_id}",
+                                   on_refused=lambda: store.metrics.rejected.labels(reason="connection_cap").inc())
         self._local = threading.local()
-        self._last_refusal_log = 0.0
         self.handlers: dict[p.Op, Handler] = {
             p.Op.PUT: self._put,
             p.Op.GET: self._get,
@@ -176,64 +178,22 @@ class Service:
             except OSError as exc:
                 if self.closed.is_set():
                     return
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors: say so and back off instead of spinning on accept.
-                    self._log_refusal("event=accept_failed agent=%s reason=%s action=backoff_100ms",
-                                      self.agent_id, errno.errorcode.get(exc.errno or 0, str(exc)))
-                    time.sleep(0.1)
+                self.admission.accept_failed(exc)
                 continue
             host = str(peer[0])
-            if not self._admit(conn, host):
+            if not self.admission.admit(conn, host):
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t = threading.Thread(target=self.serve, args=(conn, f"{host}:{peer[1]}"), daemon=True,
                                  name="store-conn")
             t.start()
 
-    def _admit(self, conn: socket.socket, host: str) -> bool:
-        """Connection caps, checked before a thread is spent: refuse over the totals, make room in the handshake."""
-        lim = self.limits
-        with self._conns_lock:
-            if len(self._conns) >= lim.max_connections or self._per_host[host] >= lim.max_connections_per_address:
-                refuse = True
-            else:
-                refuse = False
-                # A new handshake displaces the oldest one of its address (or of all) rather than being refused:
-                # a real client finishes in a round trip, so a flood cannot lock it out.
-                same = [c for c, h in self._preauth.items() if h == host]
-                victim = same[0] if len(same) >= lim.max_preauth_per_address else (
-                    next(iter(self._preauth)) if len(self._preauth) >= lim.max_preauth else None)
-                if victim is not None:
-                    self._preauth.pop(victim, None)
-                    with contextlib.suppress(OSError):
-                        victim.shutdown(socket.SHUT_RDWR)
-                self._conns.add(conn)
-                self._preauth[conn] = host
-                self._per_host[host] += 1
-        if refuse:
-            self.store.metrics.rejected.labels(reason="connection_cap").inc()
-            self._log_refusal("event=connection_refused agent=%s peer=%s reason=connection_cap", self.agent_id, host)
-            conn.close()
-            return False
-        return True
-
-    def _log_refusal(self, fmt: str, *args: object) -> None:
-        """At most one line a second: a flood must not become a log flood."""
-        now = time.monotonic()
-        if now - self._last_refusal_log >= 1.0:
-            self._last_refusal_log = now
-            log.warning(fmt, *args)
-
     def shutdown_connections(self) -> None:
-        with self._conns_lock:
-            for conn in list(self._conns):
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+        self.admission.shutdown_all()
 
     def connection_counts(self) -> tuple[int, int]:
         """(all connections, connections inside the handshake)."""
-        with self._conns_lock:
-            return len(self._conns), len(self._preauth)
+        return self.admission.counts()
 
     def serve(self, conn: socket.socket, peer: str) -> None:
         host = peer.rpartition(":")[0]
@@ -243,11 +203,7 @@ class Service:
         try:
             if self.tls is not None:  # the TLS handshake counts against the same deadline
                 conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-                with self._conns_lock:  # shutdown_connections must reach the socket that owns the fd now
-                    self._conns.discard(raw)
-                    self._conns.add(conn)
-                    if self._preauth.pop(raw, None) is not None:
-                        self._preauth[conn] = host
+                self.admission.replace(raw, conn)
                 until(conn, deadline)
                 conn.do_handshake()
             channel = _HelloChannel(conn, self._error, deadline=deadline)
@@ -261,8 +217,7 @@ class Service:
             assert scope is not None  # server_accept refuses unknown scopes
             session = Session(peer, scope)
             self._local.session = session
-            with self._conns_lock:
-                self._preauth.pop(conn, None)
+            self.admission.authenticated(conn)
             w = self.welcome
             reply = p.HelloReply(self.agent_id, w.pool, w.shm_probe, w.shm_nonce, w.lease_seconds, w.replicas).encode()
             send_all(conn, p.frame(p.Op.REPLY, reply, request_id=channel.request_id),
@@ -290,13 +245,7 @@ class Service:
         finally:
             if session is not None:
                 self._end_session(session)
-            with self._conns_lock:
-                for sock in (raw, conn):
-                    self._conns.discard(sock)
-                    self._preauth.pop(sock, None)
-                self._per_host[host] -= 1
-                if self._per_host[host] <= 0:
-                    del self._per_host[host]
+            self.admission.release(host, raw, conn)
             conn.close()
 
     def _read_request(self, conn: socket.socket) -> tuple[p.Header, bytearray]:

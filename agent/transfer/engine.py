@@ -42,6 +42,7 @@ from daybreak.agent.transfer.transport import (
     address_of,
     byte_view,
 )
+from daybreak.pool.admission import Caps
 from daybreak.pool.shm import ShmSegment
 from daybreak.pool.tls import TlsContexts
 
@@ -114,6 +115,9 @@ class TransferEngine:
       tls: ``pool.tls.TlsContexts`` (``AgentSettings.tls()``, the store's settings): tcp serves and
         dials TLS only, a plaintext peer is refused (default: None, plain tcp).
       timeout_s: default deadline of a batch, in seconds.
+      caps: ``pool.admission.Caps`` of the tcp server: connections in total and per peer address
+        (default: ``Caps()``; an agent's engine takes the store's ``max_connections*`` settings).
+      idle_seconds: the tcp server closes an authenticated connection that sends no frame this long.
       verbs: a pyverbs-compatible module for rdma (default: import pyverbs).
       runtime: the accelerator runtime (``daybreak.agent.runtime.AcceleratorRuntime``) for
         device segments: link copies, dma-buf registration, staging (default: none, link off).
@@ -126,7 +130,8 @@ class TransferEngine:
                  checksum: bool = False, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  breaker: CircuitBreaker | None = None, verbs: Any = None, runtime: Any = None,
                  rdma_nics: Sequence[str] | None = None,
-                 topology: Any = None, tls: TlsContexts | None = None) -> None:
+                 topology: Any = None, tls: TlsContexts | None = None, caps: Caps | None = None,
+                 idle_seconds: float = 300.0) -> None:
         wanted = tuple(transports)
         check_names(wanted)
         if tcp_connections < 1:
@@ -135,6 +140,8 @@ class TransferEngine:
             raise ValueError(f"slice_bytes: must be between 4096 and 256 MiB, got {slice_bytes}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be positive, got {timeout_s}")
+        if idle_seconds <= 0:
+            raise ValueError(f"idle_seconds: must be positive, got {idle_seconds}")
         self.engine_id = uuid.uuid4().hex[:16]
         self.node = node or default_node_name()
         self.listen = listen
@@ -144,6 +151,8 @@ class TransferEngine:
         self.checksum = checksum
         self.token = token
         self.tls = tls
+        self.caps = caps or Caps()
+        self.idle_seconds = idle_seconds
         self.timeout_s = timeout_s
         self.breaker = breaker or CircuitBreaker()
         self._wanted = wanted
@@ -185,7 +194,10 @@ class TransferEngine:
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
-                   rdma_nics=settings.rdma_devices or None, tls=settings.tls())
+                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(),
+                   caps=Caps(max_connections=settings.max_connections,
+                             max_connections_per_address=settings.max_connections_per_address),
+                   idle_seconds=settings.idle_seconds)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TransferEngine:
@@ -195,7 +207,8 @@ class TransferEngine:
         config = TransportConfig(listen=self.listen, advertise=self.advertise,
                                  tcp_connections=self.tcp_connections, slice_bytes=self.slice_bytes,
                                  checksum=self.checksum, verbs=self._verbs, runtime=self.runtime,
-                                 rdma_nics=self._rdma_nics, topology=self._topology, tls=self.tls)
+                                 rdma_nics=self._rdma_nics, topology=self._topology, tls=self.tls,
+                                 caps=self.caps, idle_seconds=self.idle_seconds)
         self._transports = open_transports(self, self._wanted, config)
         self._monitor.start()
         self._started = True

@@ -36,6 +36,8 @@ class TransportConfig:
     rdma_nics: Sequence[str] | None = None
     topology: Any = None
     tls: Any = None  # pool.tls.TlsContexts: tcp serves and dials TLS only
+    caps: Any = None  # pool.admission.Caps of the tcp server (None: its defaults)
+    idle_seconds: float = 300.0  # the tcp server closes an authenticated connection idle this long
 
 
 def _shm(host: TransportHost, config: TransportConfig) -> Transport | None:
@@ -48,7 +50,8 @@ def _tcp(host: TransportHost, config: TransportConfig) -> Transport | None:
     from daybreak.agent.transfer.tcp import TcpTransport
 
     return TcpTransport(host, listen=config.listen, advertise=config.advertise, connections=config.tcp_connections,
-                        slice_bytes=config.slice_bytes, checksum=config.checksum, tls=config.tls)
+                        slice_bytes=config.slice_bytes, checksum=config.checksum, tls=config.tls, caps=config.caps,
+                        idle_seconds=config.idle_seconds)
 
 
 def _rdma(host: TransportHost, config: TransportConfig) -> Transport | None:

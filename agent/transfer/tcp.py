@@ -28,11 +28,12 @@ import errno
 import json
 import logging
 import queue
+import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,8 @@ from daybreak.agent.transfer.control import (
     server_handshake,
 )
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
+from daybreak.errors import DaybreakError
+from daybreak.pool.admission import Admission, Caps
 from daybreak.pool.sockets import Stream, recv_exact_into, send_all
 from daybreak.pool.tls import TlsContexts
 
@@ -63,6 +66,8 @@ INLINE_SEND_BYTES = 1 << 20  # per submit, sent from the caller's thread when a 
 # itself (the caller may be awaiting in asyncio or polling instead of blocking in wait()).
 PUMP_GRACE_S = 0.002
 CONNECT_TIMEOUT_S = 5.0
+# A connection unused this long is checked for a close by the peer (its server's idle timeout) before reuse.
+IDLE_PROBE_S = 0.5
 _DRAIN = 1 << 20
 
 
@@ -100,6 +105,8 @@ class TcpOptions:
     slice_bytes: int
     checksum: bool
     tls: TlsContexts | None = None
+    caps: Caps = field(default_factory=Caps)  # the server's connection caps (total, per peer address, handshaking)
+    idle_seconds: float = 300.0  # an authenticated server connection with no frame for this long is closed
 
 
 class TcpTransport(Transport):
@@ -107,11 +114,14 @@ class TcpTransport(Transport):
 
     def __init__(self, host: TransportHost, *, listen: str = "127.0.0.1:0", advertise: str | None = None,
                  connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False,
-                 tls: TlsContexts | None = None) -> None:
+                 tls: TlsContexts | None = None, caps: Caps | None = None, idle_seconds: float = 300.0) -> None:
         if tls is not None and tls.server is None:
             raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
+        if idle_seconds <= 0:
+            raise ValueError(f"idle_seconds: must be positive, got {idle_seconds}")
         self._host = host
-        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum, tls)
+        self.options = TcpOptions(listen, advertise, connections, slice_bytes, checksum, tls, caps or Caps(),
+                                  idle_seconds)
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._server = _Server(host, self.options)
@@ -220,6 +230,8 @@ class _Peer:
 
     def _ensure_connections(self, deadline: float) -> None:
         conns = self.conns
+        for conn in conns:
+            conn.closed_while_idle()
         if len(conns) >= self.options.connections and all(c.alive for c in conns):
             return  # the common case, without the lock
         with self.lock:
@@ -249,6 +261,7 @@ class _Peer:
                 frame.errors.append(f"reconnect to {self.endpoint}: {exc}")
             else:
                 metrics.RETRIES.labels("tcp").inc()
+                frame.sync = False  # a sender thread takes it now: its waiter pumps the old connection, not the new
                 self.queue.put(frame)
                 return
         self.fail_frame(frame, "; ".join(frame.errors[-2:]), path=True)
@@ -326,6 +339,7 @@ class _Conn:
             raise OSError(f"handshake with {peer.endpoint} failed: {exc}") from None
         self.sock.settimeout(None)  # deadlines are enforced by shutting the socket down
         self.alive = True
+        self.last_used = time.monotonic()
         self.inflight: dict[int, _Frame] = {}
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # one frame at a time on the wire
@@ -354,6 +368,23 @@ class _Conn:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def closed_while_idle(self) -> bool:
+        """True (and broken) when the peer closed this idle connection, e.g. at its server's idle timeout.
+
+        The receiver thread sleeps while nothing is in flight, so nobody would notice before the next frame
+        was sent into the closed socket and had to be retried. Checked only after ``IDLE_PROBE_S`` unused.
+        """
+        if not self.alive or self.inflight or time.monotonic() - self.last_used < IDLE_PROBE_S:
+            return False
+        try:
+            readable = bool(select.select([self.sock.fileno()], [], [], 0)[0])
+        except (OSError, ValueError):
+            readable = True
+        if readable and not self.inflight:  # nothing asked: readable means EOF, a reset or a stray byte
+            self._broken(f"{self.peer.endpoint} closed the idle connection")
+            return True
+        return False
 
     def _send_loop(self) -> None:
         while self.alive:
@@ -384,9 +415,10 @@ class _Conn:
             buffers.extend(p.view for p in frame.pieces)
         with self.lock:
             if not self.alive:
+                frame.sync = False  # for a sender thread's connection, whose receiver must read the answer
                 self.peer.queue.put(frame)  # a live connection takes it
                 return False
-            frame.sent_at = time.monotonic()
+            frame.sent_at = self.last_used = time.monotonic()
             self.inflight[frame_id] = frame
             if not frame.sync:
                 self.ready.notify()  # sync frames are read by their waiter (or after a kick)
@@ -514,8 +546,8 @@ class _Server:
             shown = bound_host if bound_host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
             self.endpoint = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
         self.tls = options.tls
-        self.conns: set[socket.socket] = set()
-        self.lock = threading.Lock()
+        self.idle_seconds = options.idle_seconds
+        self.admission = Admission(options.caps, label=f"server=transfer engine={host.engine_id}")
         self.closed = False
         threading.Thread(target=self._accept_loop, name=f"tcp-server-{bound_port}", daemon=True).start()
 
@@ -526,69 +558,69 @@ class _Server:
         except OSError:
             pass
         self.sock.close()
-        with self.lock:
-            conns = list(self.conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.admission.shutdown_all()
 
     def _accept_loop(self) -> None:
-        last_log = 0.0
         while not self.closed:
             try:
                 conn, addr = self.sock.accept()
             except OSError as exc:
                 if self.closed:
                     return
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors (a flood, or a busy process): back off and keep serving. Returning
-                    # here would stop this engine's server for good; spinning would burn a core.
-                    now = time.monotonic()
-                    if now - last_log >= 1.0:
-                        last_log = now
-                        log.warning("tcp accept failed, backing off 100 ms cause=%s",
-                                    errno.errorcode.get(exc.errno or 0, str(exc)))
-                    time.sleep(0.1)
+                # Out of descriptors (a flood, or a busy process): back off and keep serving. Returning
+                # here would stop this engine's server for good; spinning would burn a core.
+                if self.admission.accept_failed(exc):
                     continue
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
                     continue  # that one connection went away before we took it
                 return  # the listening socket itself is gone
+            # Caps before a thread is spent on it (a thread per connection: the cap is the bound).
+            if not self.admission.admit(conn, str(addr[0])):
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.lock:
-                self.conns.add(conn)
             threading.Thread(target=self._serve, args=(conn, addr), name=f"tcp-serve-{addr[1]}", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         # one deadline for the TLS handshake and the HELLO that follows it
         deadline = time.monotonic() + HANDSHAKE_SECONDS
+        stream: Stream = conn
         try:
             stream = accept(conn, tls=self.tls, deadline=deadline, peer=peer)
-            _ServerConn(self.host, stream, peer, deadline=deadline).run()
+            if stream is not conn:
+                self.admission.replace(conn, stream)
+            _ServerConn(self.host, stream, peer, deadline=deadline, idle_seconds=self.idle_seconds,
+                        authenticated=self.admission.authenticated).run()
         except PlaintextRefused as exc:
             log.warning("tcp plaintext peer refused, TLS required peer=%s cause=%r", peer, str(exc))
         except ssl.SSLError as exc:
             log.warning("tcp TLS handshake or record failed, closing connection peer=%s cause=%r", peer, str(exc))
         except wire.MalformedFrame as exc:
             log.warning("tcp malformed frame, closing connection peer=%s cause=%r", peer, str(exc))
+        except IdleTimeout as exc:
+            log.info("tcp idle connection closed peer=%s cause=%r", peer, str(exc))
         except OSError as exc:
             log.debug("tcp server connection ended peer=%s cause=%r", peer, str(exc))
         except Exception:
             log.exception("tcp server connection crashed peer=%s", peer)
         finally:
-            with self.lock:
-                self.conns.discard(conn)
+            self.admission.release(str(addr[0]), conn, stream)
             conn.close()
 
 
+class IdleTimeout(DaybreakError, TimeoutError):
+    """An authenticated connection sent no frame within the server's ``idle_seconds``."""
+
+
 class _ServerConn:
-    def __init__(self, host: TransportHost, sock: Stream, peer: str, *, deadline: float | None = None) -> None:
+    def __init__(self, host: TransportHost, sock: Stream, peer: str, *, deadline: float | None = None,
+                 idle_seconds: float | None = None, authenticated: Callable[[Any], None] | None = None) -> None:
         self.host = host
         self.sock = sock
         self.peer = peer
         self.deadline = deadline
+        self.idle_seconds = idle_seconds
+        self._authenticated = authenticated
         # a header and the first extent usually arrive together: read both in one call
         self.head = memoryview(bytearray(2 * wire.HEADER.size))
         self.spill = memoryview(b"")  # bytes read past a header, handed out before the socket's
@@ -622,8 +654,16 @@ class _ServerConn:
         server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
                          engine_id=self.host.engine_id, token=self.host.token, peer=self.peer, sock=self.sock,
                          deadline=self.deadline)
+        if self._authenticated is not None:
+            self._authenticated(self.sock)
+        # Every read and send from here on gets idle_seconds: a peer that stops sending (or reading) mid-frame
+        # or between frames no longer holds a thread and a descriptor for ever (issue 12 finding 7).
+        self.sock.settimeout(self.idle_seconds)
         while True:
-            hdr = self._next_header()
+            try:
+                hdr = self._next_header()
+            except TimeoutError:
+                raise IdleTimeout(f"no frame for {self.idle_seconds:g} s") from None
             if hdr.type is wire.FrameType.WRITE:
                 self._write(hdr)
             elif hdr.type is wire.FrameType.READ:

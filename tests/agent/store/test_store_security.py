@@ -6,6 +6,7 @@ requests served during the attack, blocks lost.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -372,6 +373,47 @@ def test_weak_or_shared_secret_file_is_refused(tmp_path: Path) -> None:
     assert fresh.stat().st_mode & 0o777 == 0o600
     agent.stop()
     cleanup_pool(name)
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening tcp socket the process holds, from /proc (ipv4 and ipv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = cols[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc prints the address as host-order 32-bit words
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, packed), int(hex_port, 16)))
+    return found
+
+
+def test_every_listener_binds_the_listen_host_metrics_included(pool: dict[str, object]) -> None:
+    # Issue 12 finding 8: "the metrics port binds 0.0.0.0 even with --listen 127.0.0.1". The store, the
+    # transfer engine and /metrics must all bind the --listen host and nothing wider.
+    metrics_port = free_port()
+    agent = start(pool, dram="16Mi", extra=["--metrics-port", str(metrics_port)])
+    assert agent.proc is not None
+    listeners = _listening(agent.proc.pid)
+    print(f"listeners of an agent with --listen 127.0.0.1: {sorted(listeners)}")
+    assert ("127.0.0.1", metrics_port) in listeners, listeners
+    assert len(listeners) >= 3, f"store, transfer engine and metrics expected: {listeners}"
+    assert {host for host, _ in listeners} == {"127.0.0.1"}, listeners
+    with socket.create_connection(("127.0.0.1", metrics_port), timeout=10) as ok:
+        ok.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert ok.recv(12).startswith(b"HTTP/1.0 200")
+    with pytest.raises(ConnectionRefusedError):  # another local address: a 0.0.0.0 bind would answer here
+        socket.create_connection(("127.0.0.2", metrics_port), timeout=10).close()
+    agent.kill()
 
 
 # -- finding 9: stopped agents leave nothing behind -------------------------------------------------------

@@ -266,7 +266,7 @@ def test_engine_out_of_descriptors_backs_off_and_keeps_serving(peer_factory: lis
             for _ in range(80):  # more than the peer has descriptors left: its accept() fails with EMFILE
                 flood.append(socket.create_connection((host, port), timeout=5))
             deadline = time.monotonic() + 20
-            while not (out_of_fds := "tcp accept failed" in capfd.readouterr().err) and time.monotonic() < deadline:
+            while not (out_of_fds := "event=accept_failed server=transfer" in capfd.readouterr().err) and time.monotonic() < deadline:
                 time.sleep(0.2)
         finally:
             for sock in flood:
