@@ -16,11 +16,13 @@ the deployment overrides it with the addresses the KVPool publishes.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -125,6 +127,10 @@ def _agent_rbac() -> str:
                           capture_output=True, text=True, check=True, timeout=60).stdout
 
 
+def _time(iso: str) -> datetime:
+    return datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")
+
+
 def _ready(obj: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in (obj.get("status") or {}).get("conditions") or [])
 
@@ -171,11 +177,13 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
                         "prefill": {"replicas": 1, "template": _engine_env(0)},
                         "decode": {"replicas": 1, "template": _engine_env(1)}}}
         started = time.monotonic()
+        env.figures["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd))
         wait_for("the vLLM PDDeployment Ready", lambda: _ready(api.get(
             f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/{PDD}").json()), timeout=480,
             on_fail=env.diagnose)
-        env.figures["ready_seconds"] = round(time.monotonic() - started, 1)
+        env.figures["apply_to_ready_seconds"] = round(time.monotonic() - started, 1)
+        env.figures["load_average_ready"] = [round(x, 2) for x in os.getloadavg()]
         yield env
     finally:
         operator.stop()
@@ -206,7 +214,11 @@ def test_the_engine_pods_are_real_vllm_processes_run_by_the_process_kubelet(depl
         models = httpx.get(url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [str(deployment.model)]
         processes, rss, pss = group_memory_kib(pid)
-        deployment.figures[role] = {"processes": processes, "rss_mib": round(rss / 1024), "pss_mib": round(pss / 1024)}
+        ready_at = next(c["lastTransitionTime"] for c in pod["status"]["conditions"] if c["type"] == "Ready")
+        deployment.figures[role] = {
+            "processes": processes, "rss_mib": round(rss / 1024), "pss_mib": round(pss / 1024),
+            # From the kubelet starting the process to the pod's Ready (vLLM's /health answering).
+            "start_to_ready_seconds": (_time(ready_at) - _time(status["state"]["running"]["startedAt"])).seconds}
         log = (deployment.cluster.directory / "pods" / f"{NS}_{pod['metadata']['name']}" / "engine.log").read_text()
         assert f"kv_role={kv_role}" in log and "event=kv_caches_registered layers=4" in log
 

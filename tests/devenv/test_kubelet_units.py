@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -177,3 +181,30 @@ def test_a_host_path_put_in_is_not_rewritten_again_by_a_tmp_mount() -> None:
     mounts = [("/etc/daybreak", "/tmp/c/pods/p/volumes/config"), ("/tmp", "/tmp/c/pods/p/volumes/tmp")]
     assert k.rewrite_paths("--config /etc/daybreak/agent.yaml --scratch /tmp/x", mounts) == (
         "--config /tmp/c/pods/p/volumes/config/agent.yaml --scratch /tmp/c/pods/p/volumes/tmp/x")
+
+
+def test_dev_down_kills_a_vllm_pod_a_dead_supervisor_left_running(tmp_path: Path) -> None:
+    """kill_leftovers takes what the kubelet starts, vLLM's `python -m vllm...` too, by the pid files it wrote."""
+    module = tmp_path / "lib" / "vllm" / "entrypoints" / "openai"
+    module.mkdir(parents=True)
+    (module / "api_server.py").write_text("import time\ntime.sleep(120)\n")
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path / "lib")}
+    engine = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"], env=env,
+                              start_new_session=True)
+    other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # not one of ours: left alone
+    try:
+        pod = tmp_path / "cluster" / "pods" / "ns_p"
+        pod.mkdir(parents=True)
+        (pod / "engine.pid").write_text(f"{engine.pid}\n")
+        (pod / "other.pid").write_text(f"{other.pid}\n")
+        deadline = time.monotonic() + 30
+        while b"vllm.entrypoints" not in Path(f"/proc/{engine.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline
+        assert k.kill_leftovers(tmp_path / "cluster") == [engine.pid]
+        assert engine.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        for p in (engine, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
