@@ -8,9 +8,10 @@ the router goes to prefill for one token, then to decode, which loads the
 prompt's blocks from the pool. The reference is the same request sent to the
 prefill engine alone: a producer never loads, so it computes every token.
 
-The local cluster has no DNS, and the connector finds the pool through
-``DAYBREAK_POOL_ENDPOINTS`` (the agents' headless Service on a real cluster):
-the deployment overrides it with the addresses the KVPool publishes.
+The local cluster has no DNS: the connector finds the pool's agents as the
+operator's pod gives it, through the KVPool's published ``status.endpoints``
+read with the pod's ServiceAccount (``DAYBREAK_POOL_REF``); nothing in the
+deployment names an agent's address.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import httpx
 import pytest
 import yaml
 
+from daybreak.client.discovery import endpoints_from_pool
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.serving.kube import endpoints_from_pool
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -102,6 +103,7 @@ class VllmDeployment:
     operator: OperatorProcess
     model: Path
     figures: dict[str, Any]
+    pool_endpoints: list[str]
 
     def ready_pods(self, role: str) -> list[dict[str, Any]]:
         body = self.api.get(f"/api/v1/namespaces/{NS}/pods",
@@ -153,7 +155,7 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
     api = cluster.api()
     operator = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=logs / "operator.log", namespace=NS,
                                identity="vllm-e2e", lease_namespace=NS, resync_seconds=5.0)
-    env = VllmDeployment(cluster, api, operator, tiny_model, {})
+    env = VllmDeployment(cluster, api, operator, tiny_model, {}, [])
     pool_path = f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/kvpools/{POOL}"
     try:
         operator.start()
@@ -165,15 +167,14 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
         endpoints = wait_for("the KVPool's agents published", lambda: (
             e := endpoints_from_pool(api.get(pool_path).json())) and len(e) == 2 and e, timeout=180,
             on_fail=env.diagnose)
+        env.pool_endpoints[:] = endpoints
         pdd = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": PDD},
                "spec": {"poolRef": {"name": POOL},
                         "model": {"name": str(tiny_model), "revision": "local", "kvLayout": LAYOUT},
                         "engine": {"kind": "vllm", "image": "vllm/vllm-openai:local", "args": VLLM_ARGS,
                                    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"},
                                            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
-                                           {"name": "DO_NOT_TRACK", "value": "1"},
-                                           # No cluster DNS here: the agents' addresses, not their Service name.
-                                           {"name": "DAYBREAK_POOL_ENDPOINTS", "value": ",".join(endpoints)}]},
+                                           {"name": "DO_NOT_TRACK", "value": "1"}]},
                         "prefill": {"replicas": 1, "template": _engine_env(0)},
                         "decode": {"replicas": 1, "template": _engine_env(1)}}}
         started = time.monotonic()
@@ -221,6 +222,15 @@ def test_the_engine_pods_are_real_vllm_processes_run_by_the_process_kubelet(depl
             "start_to_ready_seconds": (_time(ready_at) - _time(status["state"]["running"]["startedAt"])).seconds}
         log = (deployment.cluster.directory / "pods" / f"{NS}_{pod['metadata']['name']}" / "engine.log").read_text()
         assert f"kv_role={kv_role}" in log and "event=kv_caches_registered layers=4" in log
+        # Both connector sides (scheduler, worker) found the agents through the KVPool, not DNS.
+        ready = [line for line in log.splitlines() if "event=connector_ready" in line]
+        assert {side for side in ("role=SCHEDULER", "role=WORKER") if any(side in line for line in ready)} == {
+            "role=SCHEDULER", "role=WORKER"}, ready
+        for line in ready:
+            assert f"endpoints={','.join(deployment.pool_endpoints)} pool_ref={NS}/{POOL}" in line, line
+        # What the pod was given besides: the agents' Service name, which resolves nowhere here.
+        pod_env = {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+        assert f"{POOL}-agents.{NS}.svc:" in pod_env["DAYBREAK_POOL_ENDPOINTS"]
 
 
 def test_a_request_through_the_router_is_prefilled_then_decoded_from_the_pools_kv(
