@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -174,3 +177,21 @@ def test_the_synchronous_lookup_also_works_from_inside_a_running_event_loop(
         return discovery.discover_pool_endpoints(f"{NS}/{POOL}", timeout_seconds=30, kubeconfig=str(pod_kubeconfig))
 
     assert asyncio.run(engine_with_a_loop()) == ["127.0.1.4:7400"]
+
+
+def test_importing_discovery_loads_no_kubernetes_client() -> None:
+    """``import daybreak.client`` stays light, and a machine without the Kubernetes client can load both modules."""
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('kubernetes', 'kubernetes_asyncio', 'aiohttp'):
+                    raise ImportError('blocked for the test: ' + name)
+        sys.meta_path.insert(0, Block())
+        import daybreak.client, daybreak.client.discovery, daybreak.connectors.blocks
+        from daybreak.client.discovery import parse_pool_ref
+        print(parse_pool_ref('ns/kv-a'))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "('ns', 'kv-a')"
