@@ -228,6 +228,9 @@ def test_the_engine_pods_are_real_vllm_processes_run_by_the_process_kubelet(depl
             "role=SCHEDULER", "role=WORKER"}, ready
         for line in ready:
             assert f"endpoints={','.join(deployment.pool_endpoints)} pool_ref={NS}/{POOL}" in line, line
+        found = [line for line in log.splitlines() if f"event=pool_discovered pool={NS}/{POOL}" in line]
+        assert found, log[-3000:]
+        deployment.figures[role]["pool_discovery_seconds"] = [float(x.rsplit("seconds=", 1)[1]) for x in found]
         # What the pod was given besides: the agents' Service name, which resolves nowhere here.
         pod_env = {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
         assert f"{POOL}-agents.{NS}.svc:" in pod_env["DAYBREAK_POOL_ENDPOINTS"]
