@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from daybreak.api.kvcompat import KVDtype, KVLayout, KVPlatform
 from daybreak.errors import DaybreakError
@@ -36,6 +36,16 @@ class ConnectorConfigError(DaybreakError, ValueError):
 
 # -- pool settings ------------------------------------------------------------------------------------
 
+class Discover(Protocol):
+    """``daybreak.client.discovery.discover_pool_endpoints``'s shape: ``NS/NAME`` -> ``host:port`` list."""
+
+    def __call__(self, pool_ref: str, /, *, timeout_seconds: float, kubeconfig: str | None) -> list[str]: ...
+
+
+# How long an engine waits for its KVPool to publish an agent: the kubelet restarts a pod that gives up.
+DISCOVERY_TIMEOUT_SECONDS = 120.0
+
+
 @dataclass(frozen=True)
 class PoolSettings:
     """Where the pool is and which namespace this engine's blocks live in."""
@@ -45,26 +55,28 @@ class PoolSettings:
     namespace: str
     layout: KVLayout | None = None
     """The deployment's declared kvLayout, checked against the engine's real one when given."""
+    pool_ref: str = ""
+    """The KVPool (``NS/NAME``) whose published endpoints these are; empty when they were given directly."""
 
     @classmethod
-    def resolve(cls, extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> PoolSettings:
+    def resolve(cls, extra: Mapping[str, Any], env: Mapping[str, str] | None = None, *,
+                discover: Discover | None = None) -> PoolSettings:
         """From ``kv_connector_extra_config`` first, then the operator's ``DAYBREAK_*`` environment.
 
-        extra: ``endpoints`` (list or comma string), ``token`` or ``token_file``, ``namespace``,
-        ``kv_layout`` (dict or JSON). Environment: ``DAYBREAK_POOL_ENDPOINTS``,
+        extra: ``endpoints`` (list or comma string), ``pool_ref`` (``NS/NAME``),
+        ``discovery_timeout_seconds``, ``token`` or ``token_file``, ``namespace``, ``kv_layout``
+        (dict or JSON). Environment: ``DAYBREAK_POOL_REF``, ``DAYBREAK_POOL_ENDPOINTS``,
         ``DAYBREAK_POOL_TOKEN`` (or ``DAYBREAK_POOL_TOKEN_FILE``), ``DAYBREAK_KV_NAMESPACE``,
-        ``DAYBREAK_KV_LAYOUT``.
+        ``DAYBREAK_KV_LAYOUT``, and ``KUBECONFIG`` for the API.
+
+        Endpoints: ``extra.endpoints`` as given; else the KVPool named by ``pool_ref`` /
+        ``DAYBREAK_POOL_REF``, whose ``status.endpoints`` are read through the Kubernetes API
+        (``discover``, by default ``daybreak.client.discovery.discover_pool_endpoints``, waiting up to
+        ``discovery_timeout_seconds`` for the pool to publish an agent); else
+        ``DAYBREAK_POOL_ENDPOINTS`` (the agents' headless Service, which needs cluster DNS). Everything
+        else is checked before the pool is looked up, so a bad setting fails at once.
         """
         env = os.environ if env is None else env
-        raw_endpoints = extra.get("endpoints") or env.get("DAYBREAK_POOL_ENDPOINTS", "")
-        if isinstance(raw_endpoints, str):
-            raw_endpoints = raw_endpoints.split(",")
-        if not isinstance(raw_endpoints, Sequence):
-            raise ConnectorConfigError(f"endpoints must be a list of host:port strings, got {raw_endpoints!r}")
-        endpoints = tuple(str(e).strip() for e in raw_endpoints if str(e).strip())
-        if not endpoints:
-            raise ConnectorConfigError("no pool endpoints: set kv_connector_extra_config.endpoints "
-                                       "(['host:port', ...]) or DAYBREAK_POOL_ENDPOINTS")
         token = _token(extra, env)
         namespace = str(extra.get("namespace") or env.get("DAYBREAK_KV_NAMESPACE", "")).strip()
         if not namespace:
@@ -78,7 +90,44 @@ class PoolSettings:
                                                  else raw_layout)
             except ValueError as exc:
                 raise ConnectorConfigError(f"kv_layout / DAYBREAK_KV_LAYOUT is not a valid kvLayout: {exc}") from exc
-        return cls(endpoints=endpoints, token=token, namespace=namespace, layout=layout)
+        endpoints = _endpoints(extra.get("endpoints"))
+        pool_ref = ""
+        if not endpoints:
+            pool_ref = str(extra.get("pool_ref") or env.get("DAYBREAK_POOL_REF", "")).strip()
+        if pool_ref:
+            timeout = _seconds(extra.get("discovery_timeout_seconds", DISCOVERY_TIMEOUT_SECONDS))
+            if discover is None:
+                from daybreak.client import discovery  # here only: it loads the Kubernetes client
+
+                discover = discovery.discover_pool_endpoints
+            endpoints = tuple(discover(pool_ref, timeout_seconds=timeout, kubeconfig=env.get("KUBECONFIG", "")))
+        elif not endpoints:
+            endpoints = _endpoints(env.get("DAYBREAK_POOL_ENDPOINTS", ""))
+        if not endpoints:
+            raise ConnectorConfigError("no pool endpoints: set kv_connector_extra_config.endpoints "
+                                       "(['host:port', ...]), DAYBREAK_POOL_REF (NS/NAME of the KVPool) "
+                                       "or DAYBREAK_POOL_ENDPOINTS")
+        return cls(endpoints=endpoints, token=token, namespace=namespace, layout=layout, pool_ref=pool_ref)
+
+
+def _endpoints(raw: Any) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    if isinstance(raw, str):
+        raw = raw.split(",")
+    if not isinstance(raw, Sequence):
+        raise ConnectorConfigError(f"endpoints must be a list of host:port strings, got {raw!r}")
+    return tuple(str(e).strip() for e in raw if str(e).strip())
+
+
+def _seconds(raw: Any) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0:
+        raise ConnectorConfigError(f"discovery_timeout_seconds must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def _token(extra: Mapping[str, Any], env: Mapping[str, str]) -> str:

@@ -4,7 +4,10 @@ Load it with ``--kv-transfer-config '{"kv_connector": "DaybreakConnector",
 "kv_connector_module_path": "daybreak.connectors.vllm", "kv_role": "kv_both",
 "kv_connector_extra_config": {"endpoints": ["host:port"], "token_file": F, "namespace": NS}}'``
 (the extra config falls back to the operator's ``DAYBREAK_*`` environment;
-see ``daybreak.connectors.blocks.PoolSettings``). Roles: ``kv_producer``
+see ``daybreak.connectors.blocks.PoolSettings``). In an operator's pod the
+agents come from the KVPool's published ``status.endpoints``, read once at
+start through the Kubernetes API (``DAYBREAK_POOL_REF``; the client learns the
+rest of the pool from them), so no cluster DNS is needed. Roles: ``kv_producer``
 (prefill: saves, never loads), ``kv_consumer`` (decode: loads, never saves),
 ``kv_both``.
 
@@ -143,9 +146,9 @@ class DaybreakConnector(KVConnectorBase_V1):
         self._views: BlockViews | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
-        log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s",
-                 role.name, transfer.kv_role, self._settings.namespace, self._layout, self._fingerprint,
-                 ",".join(self._settings.endpoints))
+        log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s "
+                 "pool_ref=%s", role.name, transfer.kv_role, self._settings.namespace, self._layout, self._fingerprint,
+                 ",".join(self._settings.endpoints), self._settings.pool_ref or "-")
 
     # -- scheduler side -----------------------------------------------------------------------------
 

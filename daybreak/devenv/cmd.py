@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--no-kwok", action="store_true", help="no fake nodes (etcd, apiserver, controllers only)")
         p.add_argument("--no-process-kubelet", action="store_true",
                        help="kwok fakes every pod; `daybreak` pods are not started as local processes")
+        p.add_argument("--vllm-python", type=Path, default=None, metavar="PATH",
+                       help="interpreter for vLLM engine pods (`python3 -m vllm...`); default: the checkout's "
+                            "`make vllm-env` (.venv-vllm), looked up when such a pod starts")
         p.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for readiness")
     d = sub.add_parser("down", help="stop the local cluster")
     d.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -104,7 +107,8 @@ def _alive(pid: int) -> bool:
 
 def _spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(nodes=args.nodes, devices_per_node=args.devices_per_node, accelerator=args.accelerator,
-                       controllers=True, kwok=not args.no_kwok, process_kubelet=not args.no_process_kubelet)
+                       controllers=True, kwok=not args.no_kwok, process_kubelet=not args.no_process_kubelet,
+                       vllm_python=str(args.vllm_python.resolve()) if args.vllm_python else "")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -125,7 +129,8 @@ def _up(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "daybreak", "dev", "_serve", "--dir", str(directory), "--nodes", str(args.nodes),
            "--devices-per-node", str(args.devices_per_node), "--accelerator", args.accelerator,
            "--timeout", str(args.timeout)] + (["--no-kwok"] if args.no_kwok else []) + (
-               ["--no-process-kubelet"] if args.no_process_kubelet else [])
+               ["--no-process-kubelet"] if args.no_process_kubelet else []) + (
+               ["--vllm-python", str(args.vllm_python.resolve())] if args.vllm_python else [])
     with open(directory / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -1,9 +1,14 @@
 """The process kubelet: pods on the local cluster's fake nodes whose containers run ``daybreak`` become real processes.
 
 kwok keeps playing the kubelet for every other pod (its pod stages are given a
-selector that skips these, see ``KWOK_EXCLUSION``). For a pod whose
-container command is ``daybreak`` this kubelet, watching pods through the API
-with the admin credentials:
+selector that skips these, see ``KWOK_EXCLUSIONS``). Which pods are ours is
+one table, ``PROCESS_COMMANDS``, from which both kwok's selector and
+``is_process_pod`` are derived: a container whose command is ``daybreak ...``
+(agents, sim engines, routers, the operator) or ``python3 -m
+vllm.entrypoints.openai.api_server ...`` (vLLM engine pods; run with the
+interpreter of the vLLM environment, ``vllm_python`` or
+``daybreak.devenv.vllmenv.find()``). For such a pod this kubelet, watching
+pods through the API with the admin credentials:
 
 - gives the pod its own loopback address and writes phase, conditions, IPs
   and container statuses through the status subresource. Each cluster claims
@@ -11,7 +16,9 @@ with the admin credentials:
   users or test sessions on one machine never share an address): fake node i
   is 127.X.0.(i+1), pods get 127.X.1.1 and up, a hostNetwork pod its node's;
 - starts each container's command (``daybreak`` is the venv's script next to
-  ``sys.executable``) with its args and env resolved like a kubelet does
+  ``sys.executable``; ``python3 -m vllm...`` the vLLM environment's
+  interpreter, with ``VLLM_HOST_IP`` the pod's address as a container's own
+  network would make it) with its args and env resolved like a kubelet does
   (``$(VAR)``, downward-API fieldRefs, Secret and ConfigMap refs), a per-pod
   ``KUBECONFIG`` holding a TokenRequest token of the pod's ServiceAccount, and
   ``DAYBREAK_SHM_DIR`` set to its node's own shared-memory directory;
@@ -63,11 +70,34 @@ from daybreak.errors import DaybreakError
 log = logging.getLogger(__name__)
 
 DAYBREAK_COMMAND = "daybreak"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SLOT_LOCK_DIR = Path(tempfile.gettempdir()) / "daybreak-loopback"
 MANAGER = "process-kubelet.daybreak.dev"
 SLICE_SUFFIX = "local"
-# kwok's pod stages skip a pod when any container's command is `daybreak` (kwok's NotIn: no element in the set).
-KWOK_EXCLUSION = {"key": ".spec.containers.[].command.[0]", "operator": "NotIn", "values": [DAYBREAK_COMMAND]}
+
+
+@dataclass(frozen=True)
+class ProcessCommand:
+    """A container command the process kubelet runs: word ``index`` of ``command`` is exactly ``word``."""
+
+    index: int
+    word: str
+
+    def matches(self, command: list[str]) -> bool:
+        return len(command) > self.index and command[self.index] == self.word
+
+
+# THE ONE DEFINITION of which pods are ours: kwok's selector and is_process_pod are both derived from it.
+# Exact words, because kwok's NotIn compares strings (no paths, no globs).
+DAYBREAK = ProcessCommand(0, DAYBREAK_COMMAND)
+VLLM = ProcessCommand(2, VLLM_MODULE)  # python3 -m vllm.entrypoints.openai.api_server ...
+PROCESS_COMMANDS = (DAYBREAK, VLLM)
+# kwok's pod stages skip a pod when some container matches one of them: its expressions are ANDed, and NotIn
+# holds when no element of the query's result is in the set (a missing word is null, which is not).
+KWOK_EXCLUSIONS = [{"key": f".spec.containers.[].command.[{c.index}]", "operator": "NotIn", "values": [c.word]}
+                   for c in PROCESS_COMMANDS]
+# The interpreters a vLLM container's `python3 -m` may name (the image's; the kubelet substitutes its own).
+VLLM_INTERPRETERS = ("python3", "python")
 TICK_SECONDS = 0.2
 # Crash-loop back-off: shorter than a real kubelet's 10 s .. 5 min, so tests see restarts within seconds.
 BACKOFF_INITIAL_SECONDS = 1.0
@@ -85,10 +115,10 @@ ApiFactory = Callable[[], httpx.Client]
 
 
 def is_process_pod(pod: dict[str, Any]) -> bool:
-    """True when some container runs the ``daybreak`` command (the same rule as ``KWOK_EXCLUSION``)."""
+    """True when some container's command matches ``PROCESS_COMMANDS`` (exactly what ``KWOK_EXCLUSIONS`` skips)."""
     for c in (pod.get("spec") or {}).get("containers") or []:
-        command = c.get("command") or []
-        if command and command[0] == DAYBREAK_COMMAND:
+        command = [str(x) for x in c.get("command") or []]
+        if any(rule.matches(command) for rule in PROCESS_COMMANDS):
             return True
     return False
 
@@ -441,6 +471,7 @@ class PodWorker(threading.Thread):
             log.exception("event=pod_worker_crashed pod=%s/%s", self.namespace, self.pod_name)
         finally:
             self._kill_all(grace=STOP_GRACE_SECONDS if not self.gone.is_set() else 1.0)
+            shutil.rmtree(self.kubelet.shm_root / f".ipc-{self.uid[:12]}", ignore_errors=True)
             self.kubelet.forget(self)
             api.close()
 
@@ -666,16 +697,36 @@ class PodWorker(threading.Thread):
                 value = ((container.get("resources") or {}).get(kind_) or {}).get(res)
                 env[name] = str(value if value is not None else "0")
         env = {k: rewrite_paths(v, self.mounts) for k, v in env.items()}
+        if VLLM.matches([str(x) for x in container.get("command") or []]):
+            # A container's own network would give vLLM the pod's address; here the machine has many, and
+            # vLLM's message queue would bind the host's. The venv's bin first, as `python3` would be in an image.
+            vllm_bin = str(self.kubelet.vllm_interpreter().parent)
+            base.update(PATH=f"{vllm_bin}:{base['PATH']}", VLLM_HOST_IP=self.pod_ip,
+                        VLLM_RPC_BASE_PATH=str(self.ipc_dir()))
         return {**base, **env}
 
     def command_line(self, container: dict[str, Any], env: dict[str, str]) -> list[str]:
         command = [expand(x, env) for x in container.get("command") or []]
         args = [expand(x, env) for x in container.get("args") or []]
-        if not command or command[0] != DAYBREAK_COMMAND:
-            raise ValueError(f"container {container['name']!r} does not run `{DAYBREAK_COMMAND}`; the process "
-                             "kubelet runs only that command")
-        executable = Path(sys.executable).with_name(DAYBREAK_COMMAND)
+        if DAYBREAK.matches(command):
+            executable = Path(sys.executable).with_name(DAYBREAK_COMMAND)
+        elif VLLM.matches(command):
+            if command[0] not in VLLM_INTERPRETERS or command[1] != "-m":
+                raise ValueError(f"container {container['name']!r}: a vLLM command must start `python3 -m "
+                                 f"{VLLM_MODULE}`, got {' '.join(command[:3])!r}")
+            executable = self.kubelet.vllm_interpreter()
+        else:
+            raise ValueError(f"container {container['name']!r} runs neither `{DAYBREAK_COMMAND}` nor `python3 -m "
+                             f"{VLLM_MODULE}`; the process kubelet runs only those")
         return [str(executable)] + [rewrite_paths(x, self.mounts) for x in command[1:] + args]
+
+    def ipc_dir(self) -> Path:
+        """A short directory for the pod's Unix sockets: vLLM's ZeroMQ ones live under ``VLLM_RPC_BASE_PATH``,
+        and a path under the pod directory passes the 107-byte ``sun_path`` limit. Under the cluster's
+        shared-memory root, so stopping the cluster (or ``dev down``) removes it with the rest."""
+        path = self.kubelet.shm_root / f".ipc-{self.uid[:12]}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     # -- supervision ------------------------------------------------------------------------------
     def _restart_allowed(self, pod: dict[str, Any], exit_code: int) -> bool:
@@ -915,6 +966,8 @@ class ProcessKubelet:
     slot: AddressSlot
     fake_node_annotation: str = "kwok.x-k8s.io/node"
     progress: Callable[[str], None] = print
+    # The interpreter vLLM containers run with; None: the checkout's `make vllm-env`, looked up at each start.
+    vllm_python: Path | None = None
     workers: dict[str, PodWorker] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -964,6 +1017,20 @@ class ProcessKubelet:
         shutil.rmtree(self.shm_root, ignore_errors=True)
 
     # -- shared state -----------------------------------------------------------------------------
+    def vllm_interpreter(self) -> Path:
+        """The Python that runs vLLM containers; a ValueError (the pod's waiting message) says how to get one."""
+        if self.vllm_python is not None:
+            if not self.vllm_python.is_file():
+                raise ValueError(f"the vLLM interpreter {self.vllm_python} does not exist (--vllm-python)")
+            return self.vllm_python
+        from daybreak.devenv import vllmenv  # only pods that run vLLM need it
+
+        found = vllmenv.find()
+        if found is None:
+            raise ValueError("this pod runs vLLM but no vLLM environment is installed: run `make vllm-env`, or "
+                             "start the cluster with `daybreak dev up --vllm-python PATH`")
+        return found
+
     def register_process(self, proc: subprocess.Popen[bytes]) -> None:
         with self._lock:
             self._processes.add(proc)
@@ -1233,15 +1300,16 @@ def desired_slice(service: dict[str, Any], pods: list[tuple[dict[str, Any], Any]
 def kill_leftovers(directory: Path) -> list[int]:
     """SIGKILL the process groups of pods a dead supervisor left running, and drop the nodes' shared memory.
 
-    Only pids recorded by this cluster's kubelet whose command line is still a ``daybreak`` one are touched.
+    Only pids recorded by this cluster's kubelet whose command line is still one it starts are touched.
     """
     killed = []
     for pid_file in sorted((directory / "pods").glob("*/*.pid")):
         with contextlib.suppress(ValueError, OSError):
             pid = int(pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            # The venv's script runs as `python .../daybreak ...`: the name is argv[0] or argv[1].
-            if any(Path(a.decode(errors="replace")).name == DAYBREAK_COMMAND for a in cmdline[:2]):
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+            # The venv's script runs as `python .../daybreak ...`: the name is argv[0] or argv[1]; vLLM as
+            # `python -m vllm...`.
+            if any(Path(a).name == DAYBREAK_COMMAND for a in argv[:2]) or VLLM.matches(argv):
                 os.killpg(pid, signal.SIGKILL)
                 killed.append(pid)
         pid_file.unlink(missing_ok=True)

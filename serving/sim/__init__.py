@@ -195,12 +195,12 @@ class _Endpoints:
     async def read(self) -> list[str]:
         if not self._settings.pool_ref:
             return self._settings.pool_endpoints
-        from daybreak.serving import kube  # the Kubernetes client is loaded only when asked for
+        from daybreak.client import discovery  # the Kubernetes client is loaded only when asked for
 
         namespace, name = self._settings.pool_ref.split("/")
         if self._api is None:
-            self._api = await kube.load_api()
-        obj = await kube.get_json(self._api, f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{name}")
+            self._api = await discovery.load_api()
+        obj = await discovery.get_json(self._api, discovery.pool_path(namespace, name))
         return endpoint_addresses(obj)
 
     async def close(self) -> None:

@@ -40,7 +40,8 @@ def test_settings_come_from_the_extra_config_first_then_the_operators_environmen
 
 
 @pytest.mark.parametrize(("extra", "env", "message"), [
-    ({}, {}, "no pool endpoints"),
+    ({"token": "t", "namespace": "n"}, {}, "no pool endpoints"),
+    ({}, {}, "no pool token"),  # the cheap checks first: a bad setting fails before any pool lookup
     ({"endpoints": ["a:1"]}, {}, "no pool token"),
     ({"endpoints": ["a:1"], "token_file": "/nonexistent/token"}, {}, "cannot read the pool token"),
     ({"endpoints": ["a:1"], "token": "t"}, {}, "no kvNamespace"),

@@ -22,7 +22,6 @@ import pytest
 from daybreak.client import KVPoolClient
 from daybreak.connectors.blocks import EngineLayout
 from daybreak.connectors.local import VllmServer, daybreak_transfer_config
-from daybreak.devenv import vllmenv
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -45,25 +44,13 @@ LOADABLE = (700 - 1) // 128 * 128
 
 
 @pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    try:
-        return vllmenv.require()
-    except vllmenv.VllmEnvError as exc:
-        pytest.fail(str(exc))
-
-
-@pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm")
 
 
 @pytest.fixture(scope="module")
-def model(vllm_python: Path, workdir: Path) -> Path:
-    out = workdir / "model"
-    subprocess.run([str(vllm_python), "-m", "daybreak.connectors.tinymodel", "--out", str(out)], check=True,
-                   env={"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
-                   capture_output=True, timeout=300)
-    return out
+def model(tiny_model: Path) -> Path:
+    return tiny_model  # conftest.py: shared with the local-cluster test
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,8 +28,49 @@ def test_the_kubelet_takes_exactly_the_pods_kwoks_stages_skip() -> None:
     assert not k.is_process_pod(_pod(["sleep", "1"]))
     assert not k.is_process_pod(_pod([]))
     assert not k.is_process_pod(_pod(["/usr/bin/daybreak"]))  # kwok's NotIn compares the exact string
-    assert k.KWOK_EXCLUSION == {"key": ".spec.containers.[].command.[0]", "operator": "NotIn",
-                                "values": ["daybreak"]}
+    vllm = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert k.is_process_pod(_pod(vllm))
+    assert k.is_process_pod(_pod(["sleep", "1"], vllm))
+    assert not k.is_process_pod(_pod(["python3", "-m", "vllm.entrypoints.cli.main"]))
+    assert not k.is_process_pod(_pod(["python3", "-m"]))  # a short command has no word 2: kwok's null, not in the set
+    assert k.KWOK_EXCLUSIONS == [
+        {"key": ".spec.containers.[].command.[0]", "operator": "NotIn", "values": ["daybreak"]},
+        {"key": ".spec.containers.[].command.[2]", "operator": "NotIn",
+         "values": ["vllm.entrypoints.openai.api_server"]}]
+
+
+def _worker(tmp_path: Path, *, vllm_python: Path | None) -> k.PodWorker:
+    kubelet = k.ProcessKubelet(directory=tmp_path, server="https://127.0.0.1:1", ca_cert=tmp_path / "ca",
+                               api_factory=lambda: None,  # type: ignore[arg-type,return-value]
+                               slot=k.AddressSlot(7), vllm_python=vllm_python)
+    return k.PodWorker(kubelet, _pod(["daybreak"]))
+
+
+def test_a_vllm_container_runs_with_the_configured_interpreter_and_its_args_expanded(tmp_path: Path) -> None:
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    worker = _worker(tmp_path, vllm_python=python)
+    container = {"name": "engine", "command": ["python3", "-m", "vllm.entrypoints.openai.api_server", "--host",
+                                               "$(POD_IP)", "--port", "8000"], "args": ["--enforce-eager"]}
+    argv = worker.command_line(container, {"POD_IP": "127.7.1.3"})
+    assert argv == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.7.1.3", "--port",
+                    "8000", "--enforce-eager"]
+    daybreak = worker.command_line({"name": "agent", "command": ["daybreak", "agent"]}, {})
+    assert Path(daybreak[0]).name == "daybreak" and daybreak[1:] == ["agent"]
+
+
+def test_a_vllm_container_without_an_interpreter_or_with_another_launcher_gets_a_clear_error(
+        tmp_path: Path) -> None:
+    missing = _worker(tmp_path, vllm_python=tmp_path / "nope" / "python")
+    container = {"name": "engine", "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}
+    with pytest.raises(ValueError, match="does not exist"):
+        missing.command_line(container, {})
+    wrapped = {"name": "engine", "command": ["bash", "-c", "vllm.entrypoints.openai.api_server"]}
+    with pytest.raises(ValueError, match="must start `python3 -m"):
+        missing.command_line(wrapped, {})
+    with pytest.raises(ValueError, match="runs neither"):
+        missing.command_line({"name": "x", "command": ["sleep", "1"]}, {})
 
 
 def test_env_expansion_follows_kubernetes_rules() -> None:
@@ -136,3 +181,30 @@ def test_a_host_path_put_in_is_not_rewritten_again_by_a_tmp_mount() -> None:
     mounts = [("/etc/daybreak", "/tmp/c/pods/p/volumes/config"), ("/tmp", "/tmp/c/pods/p/volumes/tmp")]
     assert k.rewrite_paths("--config /etc/daybreak/agent.yaml --scratch /tmp/x", mounts) == (
         "--config /tmp/c/pods/p/volumes/config/agent.yaml --scratch /tmp/c/pods/p/volumes/tmp/x")
+
+
+def test_dev_down_kills_a_vllm_pod_a_dead_supervisor_left_running(tmp_path: Path) -> None:
+    """kill_leftovers takes what the kubelet starts, vLLM's `python -m vllm...` too, by the pid files it wrote."""
+    module = tmp_path / "lib" / "vllm" / "entrypoints" / "openai"
+    module.mkdir(parents=True)
+    (module / "api_server.py").write_text("import time\ntime.sleep(120)\n")
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path / "lib")}
+    engine = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"], env=env,
+                              start_new_session=True)
+    other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # not one of ours: left alone
+    try:
+        pod = tmp_path / "cluster" / "pods" / "ns_p"
+        pod.mkdir(parents=True)
+        (pod / "engine.pid").write_text(f"{engine.pid}\n")
+        (pod / "other.pid").write_text(f"{other.pid}\n")
+        deadline = time.monotonic() + 30
+        while b"vllm.entrypoints" not in Path(f"/proc/{engine.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline
+        assert k.kill_leftovers(tmp_path / "cluster") == [engine.pid]
+        assert engine.wait(timeout=10) == -9
+        assert other.poll() is None
+    finally:
+        for p in (engine, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+from daybreak.client.discovery import endpoints_from_pool
 from daybreak.serving.kube import (
     endpoints_from_pods,
-    endpoints_from_pool,
     endpoints_from_slices,
     namespaces_of,
     pod_namespace_index,

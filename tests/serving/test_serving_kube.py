@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from daybreak.client import discovery
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.serving import kube as skube
 from daybreak.testing.serving_stack import Stack, metric_sum
@@ -101,15 +102,15 @@ def test_pool_endpoints_and_ready_slice_endpoints_are_read_back(kube: LocalClust
     assert refused.status_code == 422 and "loopback" in refused.text
 
     async def read() -> tuple[list[str], list[str], list[str], int]:
-        client = await skube.load_api(str(kube.kubeconfig))
+        client = await discovery.load_api(str(kube.kubeconfig))
         try:
-            pool = await skube.pool_endpoints(client, namespace=NS, pool="lookup")
+            pool = await discovery.pool_endpoints(client, namespace=NS, pool="lookup")
             prefill = await skube.ready_endpoints(client, namespace=NS, service="lookup-prefill")
             none = await skube.ready_endpoints(client, namespace=NS, service="nothing-here")
             try:
-                await skube.pool_endpoints(client, namespace=NS, pool="missing")
+                await discovery.pool_endpoints(client, namespace=NS, pool="missing")
                 status = 200
-            except skube.KubeLookupError as exc:
+            except discovery.KubeLookupError as exc:
                 status = exc.status
             return pool, prefill, none, status
         finally:
