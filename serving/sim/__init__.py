@@ -174,17 +174,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     pool_workers=args.pool_workers, pool_tls_ca_file=tls_ca_file)
 
 
-def endpoint_addresses(kvpool: Any) -> list[str]:
-    """``address:port`` of each agent in a KVPool object's ``status.endpoints`` (malformed entries skipped)."""
-    status = kvpool.get("status") if isinstance(kvpool, dict) else None
-    entries = status.get("endpoints") if isinstance(status, dict) else None
-    out = []
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("address"), str) and isinstance(entry.get("port"), int):
-            out.append(f"{entry['address']}:{entry['port']}")
-    return out
-
-
 class _Endpoints:
     """Where the pool's agents are: the flag's list, or KVPool NS/NAME's status.endpoints read through the API."""
 
@@ -197,11 +186,10 @@ class _Endpoints:
             return self._settings.pool_endpoints
         from daybreak.client import discovery  # the Kubernetes client is loaded only when asked for
 
-        namespace, name = self._settings.pool_ref.split("/")
+        namespace, name = discovery.parse_pool_ref(self._settings.pool_ref)
         if self._api is None:
             self._api = await discovery.load_api()
-        obj = await discovery.get_json(self._api, discovery.pool_path(namespace, name))
-        return endpoint_addresses(obj)
+        return await discovery.pool_endpoints(self._api, namespace=namespace, pool=name)
 
     async def close(self) -> None:
         if self._api is not None:
