@@ -463,14 +463,14 @@ class KVPoolClient:
             self._backing[name] = Backing(seg)
         return seg
 
-    def _extent(self, name: str, offset: int, size: int) -> memoryview:
+    def _extent(self, name: str, offset: int, size: int, *, write: bool) -> memoryview:
         """An extent of a mapped agent segment, its pages mapped first (one madvise per 2 MiB window, once).
 
         Only the windows a request touches are mapped, so a client of an agent that is still
-        backing its tier never waits for the whole segment.
+        backing its tier never waits for the whole segment; reads map them read-only (cheaper).
         """
         seg = self._segment(name)
-        self._backing[name].ensure(offset, size)
+        self._backing[name].ensure(offset, size, write=write)
         return seg.buffer[offset:offset + size]
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
@@ -484,7 +484,7 @@ class KVPoolClient:
             try:
                 for info, view in zip(reply.blocks, views, strict=True):
                     if info.status == p.Status.OK:
-                        self._extent(info.where, info.offset, len(view))[:] = view
+                        self._extent(info.where, info.offset, len(view), write=True)[:] = view
             except BaseException:
                 conn.commit(reply.lease_id, abort=True)
                 raise
@@ -534,7 +534,7 @@ class KVPoolClient:
                     elif not info.where:
                         fallback.append(i)
                     else:
-                        source = self._extent(info.where, info.offset, info.size)
+                        source = self._extent(info.where, info.offset, info.size, write=False)
                         copies.append((i, view[:info.size], source))
                 checked = self._copy_all(copies)
             finally:
