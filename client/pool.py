@@ -24,7 +24,8 @@ from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Stra
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
-from daybreak.pool.checksum import crc32c
+from daybreak.pool.checksum import copy_crc32c, crc32c
+from daybreak.pool.checksum import fused as checksum_fused
 from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
@@ -575,14 +576,14 @@ class KVPoolClient:
         return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
     def _copy_all(self, copies: list[tuple[int, memoryview, memoryview]]) -> dict[int, int | None]:
-        """Copy blocks out of mapped segments and checksum each one while it is still in cache.
+        """Copy blocks out of mapped segments, checksumming the bytes the caller receives.
 
-        The CRC is taken of the caller's buffer after the copy (what the caller gets is what is
-        checked, whatever the segment holds meanwhile). ``ctypes.memmove`` and ``crc32c``
-        release the GIL; a batch of at least ``_SPLIT_BYTES`` is split between this thread and
-        one helper thread, each copying and then checking its own blocks, so the check (compute
-        bound, on cache-hot bytes) overlaps the other half's copy (memory bound). Two threads
-        that only copy were measured slower than one: the split pays off only with the check.
+        The CRC always covers the caller's buffer (``copy_crc32c``: what the caller gets is what
+        is checked, whatever the segment holds meanwhile). With the fused kernel it is one pass
+        over the block, about the cost of the copy alone. Without it (copy, then CRC of the
+        cache-hot copy) a batch of at least ``_SPLIT_BYTES`` is split between this thread and one
+        helper thread, so one half's check overlaps the other half's copy; with the fused kernel
+        the work is memory bound and a second thread does not pay (measured, docs/performance.md).
         """
         out: dict[int, int | None] = {}
         verify = self._verify
@@ -590,11 +591,16 @@ class KVPoolClient:
         def run(part: list[tuple[int, memoryview, memoryview]]) -> None:
             for i, dst, src in part:
                 n = len(src)
-                if n:
+                if verify:
+                    out[i] = copy_crc32c(dst, src)
+                elif n:
                     ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
-                out[i] = crc32c(dst) if verify else None
+                    out[i] = None
+                else:
+                    out[i] = None
 
-        if verify and len(copies) > 1 and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES:
+        if (verify and not checksum_fused() and len(copies) > 1
+                and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES):
             if self._checker is None:
                 self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-check")
             helper = self._checker.submit(run, copies[1::2])

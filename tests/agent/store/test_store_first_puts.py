@@ -11,6 +11,7 @@ import pytest
 
 from daybreak.agent.store.tiers import HEAD_BYTES, DramTier
 from daybreak.client import KVPoolClient
+from daybreak.pool import checksum
 from daybreak.pool.shm import BACKING_WINDOW, SHM_DIR, Backing, ShmSegment
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
@@ -77,7 +78,13 @@ def test_puts_right_after_start_are_stored_byte_exact_while_the_tier_fills(agent
     assert agent.wait_log("event=dram_head_backed"), agent.log[-2000:]
 
 
-def test_a_verified_same_node_batch_split_over_two_threads_never_returns_a_corrupt_block(agent: LocalAgent) -> None:
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_a_verified_same_node_batch_never_returns_a_corrupt_block(agent: LocalAgent, path: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # "fused": one-pass copy + CRC (the extension); "split": copy then CRC, the batch over two threads.
+    if path == "split":
+        monkeypatch.setattr(checksum, "_fused", None)
+    assert checksum.fused() == (path == "fused"), "the _copycrc extension did not build (pip install -e .)"
     agent.start()
     token = agent.token_file.read_text().strip()
     data = [np.full(MiB, i + 1, np.uint8) for i in range(8)]  # 8 MiB: the split path (>= 4 MiB)
