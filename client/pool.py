@@ -15,6 +15,7 @@ import ctypes
 import logging
 import re
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -464,15 +465,45 @@ class KVPoolClient:
             self._backing[name] = Backing(seg)
         return seg
 
-    def _extent(self, name: str, offset: int, size: int, *, write: bool) -> memoryview:
-        """An extent of a mapped agent segment, its pages mapped first (one madvise per 2 MiB window, once).
+    def _in_order(self, items: list[tuple[Backing, int, int, Any]], *, write: bool, work: Any) -> None:
+        """``work(payload)`` for each ``(backing, offset, size, payload)`` in order, once its windows are mapped.
 
-        Only the windows a request touches are mapped, so a client of an agent that is still
-        backing its tier never waits for the whole segment; reads map them read-only (cheaper).
+        Mapping a window of an agent's segment the first time (one madvise per 2 MiB) costs this
+        process about half a copy of it. When two or more blocks of a batch touch windows not
+        mapped yet, a helper thread maps them in order, ahead of the copies, so mapping block k+1
+        overlaps copying block k (the filler works ahead of the frontier); madvise and the copies
+        release the GIL. Warm batches run inline: no hand-off. Only the windows the batch touches
+        are mapped, so a client of an agent still backing its tier never waits for the whole segment.
         """
-        seg = self._segment(name)
-        self._backing[name].ensure(offset, size, write=write)
-        return seg.buffer[offset:offset + size]
+        cold = sum(1 for b, off, size, _ in items if not b.backed(off, size, write=write))
+        if cold < 2:
+            for b, off, size, payload in items:
+                b.ensure(off, size, write=write)
+                work(payload)
+            return
+        ready = [threading.Event() for _ in items]
+
+        def mapper() -> None:
+            try:
+                for (b, off, size, _), event in zip(items, ready, strict=True):
+                    b.ensure(off, size, write=write)
+                    event.set()
+            finally:
+                for event in ready:  # never leave the copying thread waiting
+                    event.set()
+
+        helper = self._helper().submit(mapper)
+        try:
+            for (_, _, _, payload), event in zip(items, ready, strict=True):
+                event.wait()
+                work(payload)
+        finally:
+            helper.result()
+
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-helper")
+        return self._checker
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
                    pin_seconds: int, tier: str, *, flags: int = 0) -> list[p.Status | None]:
@@ -483,9 +514,15 @@ class KVPoolClient:
         def shm(conn: Connection) -> list[p.Status]:
             reply = conn.alloc(keys, [len(v) for v in views], checksums, pin_seconds=pin_seconds)
             try:
-                for info, view in zip(reply.blocks, views, strict=True):
-                    if info.status == p.Status.OK:
-                        self._extent(info.where, info.offset, len(view), write=True)[:] = view
+                targets = [(self._segment(info.where), info.offset, view) for info, view in
+                           zip(reply.blocks, views, strict=True) if info.status == p.Status.OK]
+
+                def store(item: tuple[ShmSegment, int, memoryview]) -> None:
+                    seg, offset, view = item
+                    seg.buffer[offset:offset + len(view)] = view
+
+                self._in_order([(self._backing[t[0].name], t[1], len(t[2]), t) for t in targets], write=True,
+                               work=store)
             except BaseException:
                 conn.commit(reply.lease_id, abort=True)
                 raise
@@ -524,7 +561,7 @@ class KVPoolClient:
 
         def shm(conn: Connection) -> tuple[list[p.BlockInfo], set[int]]:
             reply = conn.locate(keys, flags=flags)
-            copies: list[tuple[int, memoryview, memoryview]] = []
+            copies: list[tuple[int, memoryview, memoryview, Backing, int]] = []
             fallback = []
             try:
                 for i, (info, view) in enumerate(zip(reply.blocks, views, strict=True)):
@@ -535,8 +572,9 @@ class KVPoolClient:
                     elif not info.where:
                         fallback.append(i)
                     else:
-                        source = self._extent(info.where, info.offset, info.size, write=False)
-                        copies.append((i, view[:info.size], source))
+                        seg = self._segment(info.where)
+                        copies.append((i, view[:info.size], seg.buffer[info.offset:info.offset + info.size],
+                                       self._backing[info.where], info.offset))
                 checked = self._copy_all(copies)
             finally:
                 conn.release(reply.lease_id)
@@ -575,41 +613,46 @@ class KVPoolClient:
                     log.info("event=engine_segments_unavailable agent=%s reason=%s", agent, exc)
         return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
-    def _copy_all(self, copies: list[tuple[int, memoryview, memoryview]]) -> dict[int, int | None]:
-        """Copy blocks out of mapped segments, checksumming the bytes the caller receives.
+    def _copy_all(self, copies: list[tuple[int, memoryview, memoryview, Backing, int]]) -> dict[int, int | None]:
+        """Copy blocks ``(index, dst, src, backing, offset)`` out of mapped segments, checksumming what the caller gets.
 
         The CRC always covers the caller's buffer (``copy_crc32c``: what the caller gets is what
         is checked, whatever the segment holds meanwhile). With the fused kernel it is one pass
-        over the block, about the cost of the copy alone. Without it (copy, then CRC of the
-        cache-hot copy) a batch of at least ``_SPLIT_BYTES`` is split between this thread and one
-        helper thread, so one half's check overlaps the other half's copy; with the fused kernel
-        the work is memory bound and a second thread does not pay (measured, docs/performance.md).
+        over the block, about the cost of the copy alone, and the segment's windows are mapped
+        ahead of the copies (``_in_order``). Without it (copy, then CRC of the cache-hot copy) a
+        batch of at least ``_SPLIT_BYTES`` is split between this thread and one helper thread, so
+        one half's check overlaps the other half's copy.
         """
         out: dict[int, int | None] = {}
         verify = self._verify
 
-        def run(part: list[tuple[int, memoryview, memoryview]]) -> None:
-            for i, dst, src in part:
-                n = len(src)
-                if verify:
-                    out[i] = copy_crc32c(dst, src)
-                elif n:
-                    ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
-                    out[i] = None
-                else:
-                    out[i] = None
+        def copy(item: tuple[int, memoryview, memoryview]) -> None:
+            i, dst, src = item
+            n = len(src)
+            if verify:
+                out[i] = copy_crc32c(dst, src)
+                return
+            if n:
+                ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
+            out[i] = None
 
         if (verify and not checksum_fused() and len(copies) > 1
                 and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES):
-            if self._checker is None:
-                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-check")
-            helper = self._checker.submit(run, copies[1::2])
+            for _, _, src, backing, offset in copies:
+                backing.ensure(offset, len(src), write=False)
+
+            def run(part: list[tuple[int, memoryview, memoryview, Backing, int]]) -> None:
+                for i, dst, src, _, _ in part:
+                    copy((i, dst, src))
+
+            helper = self._helper().submit(run, copies[1::2])
             try:
                 run(copies[0::2])
             finally:
                 helper.result()
         else:
-            run(copies)
+            self._in_order([(b, off, len(src), (i, dst, src)) for i, dst, src, b, off in copies], write=False,
+                           work=copy)
         return out
 
     def _connect_quietly(self, agent: str) -> None:

@@ -179,6 +179,15 @@ class Backing:
                 done[k] = max(done[k], level)
             i = j
 
+    def backed(self, start: int, length: int, *, write: bool) -> bool:
+        """Whether every window of ``[start, start + length)`` is already backed (for writing with ``write``)."""
+        if not self.supported or length <= 0:
+            return True
+        level = _WRITE if write else _READ
+        first = start // BACKING_WINDOW
+        last = min((start + length - 1) // BACKING_WINDOW, len(self._done) - 1)
+        return min(self._done[first:last + 1], default=level) >= level
+
     def pending(self) -> list[tuple[int, int]]:
         """Runs of windows not backed for writing yet, as (start, length) byte ranges."""
         runs: list[tuple[int, int]] = []
