@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +52,26 @@ def test_a_fresh_dram_tier_backs_its_head_before_serving_and_the_rest_in_the_bac
         tier.prefault()
         assert all(not b.pending() for b in tier.backing)
     finally:
+        tier.close(unlink=True)
+
+
+def test_the_background_fill_waits_while_requests_are_served() -> None:
+    tier = DramTier(prefix=f"daybreak-test-yield-{uuid.uuid4().hex[:8]}", capacity=HEAD_BYTES + 64 * MiB,
+                    segment_bytes=HEAD_BYTES // 2)
+    busy = threading.Event()
+    busy.set()
+    try:
+        tier.open()
+        before = tier.backing[2].pending()
+        filler = threading.Thread(target=tier.prefault, kwargs={"busy": busy.is_set})
+        filler.start()
+        time.sleep(0.3)
+        assert tier.backing[2].pending() == before  # nothing filled while "requests" arrive
+        busy.clear()
+        filler.join(timeout=60)
+        assert not filler.is_alive() and all(not b.pending() for b in tier.backing)
+    finally:
+        busy.clear()
         tier.close(unlink=True)
 
 
