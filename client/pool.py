@@ -30,7 +30,7 @@ from daybreak.pool.checksum import fused as checksum_fused
 from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
-from daybreak.pool.shm import Backing, ShmSegment
+from daybreak.pool.shm import BACKING_WINDOW, Backing, ShmSegment
 
 log = logging.getLogger(__name__)
 
@@ -469,14 +469,14 @@ class KVPoolClient:
         """``work(payload)`` for each ``(backing, offset, size, payload)`` in order, once its windows are mapped.
 
         Mapping a window of an agent's segment the first time (one madvise per 2 MiB) costs this
-        process about half a copy of it. When two or more blocks of a batch touch windows not
-        mapped yet, a helper thread maps them in order, ahead of the copies, so mapping block k+1
+        process about half a copy of it. When a batch's blocks touch more than a window's worth
+        of bytes not mapped yet, a helper thread maps them in order, ahead of the copies, so mapping block k+1
         overlaps copying block k (the filler works ahead of the frontier); madvise and the copies
         release the GIL. Warm batches run inline: no hand-off. Only the windows the batch touches
         are mapped, so a client of an agent still backing its tier never waits for the whole segment.
         """
-        cold = sum(1 for b, off, size, _ in items if not b.backed(off, size, write=write))
-        if cold < 2:
+        cold = sum(size for b, off, size, _ in items if not b.backed(off, size, write=write))
+        if cold < 2 * BACKING_WINDOW:  # a window or less to map (small blocks share one): not worth a hand-off
             for b, off, size, payload in items:
                 b.ensure(off, size, write=write)
                 work(payload)
