@@ -10,6 +10,7 @@ built with the package where a compiler is present) for verified reads.
 from __future__ import annotations
 
 import ctypes
+import importlib
 from typing import Any
 
 # Anything exporting the buffer protocol (bytes, bytearray, memoryview, mmap, numpy arrays).
@@ -23,8 +24,7 @@ except ImportError:  # pragma: no cover - exercised only where the wheel is miss
 
 _fused: Any
 try:
-    from daybreak.pool import _copycrc as _fused
-
+    _fused = importlib.import_module("daybreak.pool._copycrc")  # the C extension (pool/_copycrc.c)
     if not _fused.HARDWARE:
         _fused = None
 except ImportError:  # no compiler when the package was installed, or a bare source tree
