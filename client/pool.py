@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +24,12 @@ from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Stra
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
-from daybreak.pool.checksum import crc32c
+from daybreak.pool.checksum import copy_crc32c, crc32c
+from daybreak.pool.checksum import fused as checksum_fused
 from daybreak.pool.connection import Connection, RemoteError
 from daybreak.pool.handshake import AuthenticationFailed
 from daybreak.pool.placement import rank
-from daybreak.pool.shm import Backing, ShmSegment
+from daybreak.pool.shm import BACKING_WINDOW, Backing, ShmSegment
 from daybreak.pool.tls import client_context
 
 log = logging.getLogger(__name__)
@@ -463,15 +465,45 @@ class KVPoolClient:
             self._backing[name] = Backing(seg)
         return seg
 
-    def _extent(self, name: str, offset: int, size: int) -> memoryview:
-        """An extent of a mapped agent segment, its pages mapped first (one madvise per 2 MiB window, once).
+    def _in_order(self, items: list[tuple[Backing, int, int, Any]], *, write: bool, work: Any) -> None:
+        """``work(payload)`` for each ``(backing, offset, size, payload)`` in order, once its windows are mapped.
 
-        Only the windows a request touches are mapped, so a client of an agent that is still
-        backing its tier never waits for the whole segment.
+        Mapping a window of an agent's segment the first time (one madvise per 2 MiB) costs this
+        process about half a copy of it. When a batch's blocks touch more than a window's worth
+        of bytes not mapped yet, a helper thread maps them in order, ahead of the copies, so mapping block k+1
+        overlaps copying block k (the filler works ahead of the frontier); madvise and the copies
+        release the GIL. Warm batches run inline: no hand-off. Only the windows the batch touches
+        are mapped, so a client of an agent still backing its tier never waits for the whole segment.
         """
-        seg = self._segment(name)
-        self._backing[name].ensure(offset, size)
-        return seg.buffer[offset:offset + size]
+        cold = sum(size for b, off, size, _ in items if not b.backed(off, size, write=write))
+        if cold < 2 * BACKING_WINDOW:  # a window or less to map (small blocks share one): not worth a hand-off
+            for b, off, size, payload in items:
+                b.ensure(off, size, write=write)
+                work(payload)
+            return
+        ready = [threading.Event() for _ in items]
+
+        def mapper() -> None:
+            try:
+                for (b, off, size, _), event in zip(items, ready, strict=True):
+                    b.ensure(off, size, write=write)
+                    event.set()
+            finally:
+                for event in ready:  # never leave the copying thread waiting
+                    event.set()
+
+        helper = self._helper().submit(mapper)
+        try:
+            for (_, _, _, payload), event in zip(items, ready, strict=True):
+                event.wait()
+                work(payload)
+        finally:
+            helper.result()
+
+    def _helper(self) -> ThreadPoolExecutor:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-helper")
+        return self._checker
 
     def _put_group(self, agent: str, keys: list[str], views: list[memoryview], checksums: list[int],
                    pin_seconds: int, tier: str, *, flags: int = 0) -> list[p.Status | None]:
@@ -482,9 +514,15 @@ class KVPoolClient:
         def shm(conn: Connection) -> list[p.Status]:
             reply = conn.alloc(keys, [len(v) for v in views], checksums, pin_seconds=pin_seconds)
             try:
-                for info, view in zip(reply.blocks, views, strict=True):
-                    if info.status == p.Status.OK:
-                        self._extent(info.where, info.offset, len(view))[:] = view
+                targets = [(self._segment(info.where), info.offset, view) for info, view in
+                           zip(reply.blocks, views, strict=True) if info.status == p.Status.OK]
+
+                def store(item: tuple[ShmSegment, int, memoryview]) -> None:
+                    seg, offset, view = item
+                    seg.buffer[offset:offset + len(view)] = view
+
+                self._in_order([(self._backing[t[0].name], t[1], len(t[2]), t) for t in targets], write=True,
+                               work=store)
             except BaseException:
                 conn.commit(reply.lease_id, abort=True)
                 raise
@@ -523,7 +561,7 @@ class KVPoolClient:
 
         def shm(conn: Connection) -> tuple[list[p.BlockInfo], set[int]]:
             reply = conn.locate(keys, flags=flags)
-            copies: list[tuple[int, memoryview, memoryview]] = []
+            copies: list[tuple[int, memoryview, memoryview, Backing, int]] = []
             fallback = []
             try:
                 for i, (info, view) in enumerate(zip(reply.blocks, views, strict=True)):
@@ -534,8 +572,9 @@ class KVPoolClient:
                     elif not info.where:
                         fallback.append(i)
                     else:
-                        source = self._extent(info.where, info.offset, info.size)
-                        copies.append((i, view[:info.size], source))
+                        seg = self._segment(info.where)
+                        copies.append((i, view[:info.size], seg.buffer[info.offset:info.offset + info.size],
+                                       self._backing[info.where], info.offset))
                 checked = self._copy_all(copies)
             finally:
                 conn.release(reply.lease_id)
@@ -574,36 +613,46 @@ class KVPoolClient:
                     log.info("event=engine_segments_unavailable agent=%s reason=%s", agent, exc)
         return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
-    def _copy_all(self, copies: list[tuple[int, memoryview, memoryview]]) -> dict[int, int | None]:
-        """Copy blocks out of mapped segments and checksum each one while it is still in cache.
+    def _copy_all(self, copies: list[tuple[int, memoryview, memoryview, Backing, int]]) -> dict[int, int | None]:
+        """Copy blocks ``(index, dst, src, backing, offset)`` out of mapped segments, checksumming what the caller gets.
 
-        The CRC is taken of the caller's buffer after the copy (what the caller gets is what is
-        checked, whatever the segment holds meanwhile). ``ctypes.memmove`` and ``crc32c``
-        release the GIL; a batch of at least ``_SPLIT_BYTES`` is split between this thread and
-        one helper thread, each copying and then checking its own blocks, so the check (compute
-        bound, on cache-hot bytes) overlaps the other half's copy (memory bound). Two threads
-        that only copy were measured slower than one: the split pays off only with the check.
+        The CRC always covers the caller's buffer (``copy_crc32c``: what the caller gets is what
+        is checked, whatever the segment holds meanwhile). With the fused kernel it is one pass
+        over the block, about the cost of the copy alone, and the segment's windows are mapped
+        ahead of the copies (``_in_order``). Without it (copy, then CRC of the cache-hot copy) a
+        batch of at least ``_SPLIT_BYTES`` is split between this thread and one helper thread, so
+        one half's check overlaps the other half's copy.
         """
         out: dict[int, int | None] = {}
         verify = self._verify
 
-        def run(part: list[tuple[int, memoryview, memoryview]]) -> None:
-            for i, dst, src in part:
-                n = len(src)
-                if n:
-                    ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
-                out[i] = crc32c(dst) if verify else None
+        def copy(item: tuple[int, memoryview, memoryview]) -> None:
+            i, dst, src = item
+            n = len(src)
+            if verify:
+                out[i] = copy_crc32c(dst, src)
+                return
+            if n:
+                ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
+            out[i] = None
 
-        if verify and len(copies) > 1 and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES:
-            if self._checker is None:
-                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-check")
-            helper = self._checker.submit(run, copies[1::2])
+        if (verify and not checksum_fused() and len(copies) > 1
+                and sum(len(c[2]) for c in copies) >= _SPLIT_BYTES):
+            for _, _, src, backing, offset in copies:
+                backing.ensure(offset, len(src), write=False)
+
+            def run(part: list[tuple[int, memoryview, memoryview, Backing, int]]) -> None:
+                for i, dst, src, _, _ in part:
+                    copy((i, dst, src))
+
+            helper = self._helper().submit(run, copies[1::2])
             try:
                 run(copies[0::2])
             finally:
                 helper.result()
         else:
-            run(copies)
+            self._in_order([(b, off, len(src), (i, dst, src)) for i, dst, src, b, off in copies], write=False,
+                           work=copy)
         return out
 
     def _connect_quietly(self, agent: str) -> None:

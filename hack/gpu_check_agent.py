@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", type=int, default=1 << 30, help="buffer size (default 1 GiB)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--check-imports", action="store_true",
+                        help="only import what the check needs (exit 0, or 3 naming what is missing) and stop")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"python": sys.version.split()[0]}
     started = time.monotonic()
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from daybreak.agent.topology import discover
 
     blocked = [m for m in ("pydantic", "kubernetes", "kubernetes_asyncio", "kopf") if m in sys.modules]
+    if args.check_imports:
+        print(f"gpu_check_agent: imports ok (heavy modules imported: {blocked or 'none'})")
+        return 1 if blocked else 0
     say(f"python={results['python']} daybreak_tree={tree} heavy_modules_imported={blocked or 'none'}")
 
     try:

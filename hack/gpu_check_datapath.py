@@ -31,12 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _import_tree() -> None:
-    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks)."""
+def _import_tree(*, needs: list[str]) -> None:
+    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks).
+
+    Exits 3 with what to do when a module in ``needs`` is neither installed nor in ``.whl/``.
+    """
     sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
     import linktree
 
     linktree.import_source_tree(ROOT)
+    linktree.require("gpu_check_datapath", needs)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -48,12 +52,20 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per round, in MiB")
     parser.add_argument("--block-mib", type=int, default=16, help="block size in MiB")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--check-imports", action="store_true",
+                        help="only import what the check needs (exit 0, or 3 naming what is missing) and stop")
     args = parser.parse_args()
-    _import_tree()
+    # The engine's segment descriptors are pydantic models, its counters prometheus ones, and the agent
+    # this check starts (the same interpreter, PYTHONPATH set by the tree) reads its settings with both.
+    _import_tree(needs=["pydantic", "prometheus_client", "yaml"])
     from daybreak.agent.runtime import load_runtime
     from daybreak.agent.transfer import TransferEngine
     from daybreak.client import KVPoolClient
     from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
+
+    if args.check_imports:
+        print("gpu_check_datapath: imports ok")
+        return 0
 
     loaded = load_runtime("nvidia")
     if loaded.name != "nvidia" or not loaded.runtime.devices():

@@ -7,8 +7,8 @@ Run from the repository root on a machine with an NVIDIA GPU:
 
 Needs only the standard library, numpy and prometheus-client: the package is
 imported straight from the source tree (no install), and wheels found in
-``.whl/`` (nvidia-ml-py, crc32c) are unpacked onto the path when the
-interpreter lacks them. For each block size it times, in the same run and on
+``.whl/`` (nvidia-ml-py, crc32c, prometheus-client) are unpacked onto the path
+when the interpreter lacks them (``--check-imports`` tries just that). For each block size it times, in the same run and on
 the same pageable host buffers:
 
 - raw:  the runtime's plain host-to-device / device-to-host copy of every block;
@@ -33,12 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH = 16
 
 
-def _import_tree() -> None:
-    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks)."""
+def _import_tree(*, needs: list[str]) -> None:
+    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks).
+
+    Exits 3 with what to do when a module in ``needs`` is neither installed nor in ``.whl/``.
+    """
     sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
     import linktree
 
     linktree.import_source_tree(ROOT)
+    linktree.require("gpu_check_store", needs)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -50,17 +54,20 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=2.0, help="bytes moved per measurement, in GiB")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per case (the best one is reported)")
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--check-imports", action="store_true",
+                        help="only import what the check needs (exit 0, or 3 naming what is missing) and stop")
     args = parser.parse_args()
 
-    _import_tree()
-    try:
-        import numpy as np
-    except ImportError:
-        print("gpu_check_store: numpy is required", file=sys.stderr)
-        return 2
+    _import_tree(needs=["numpy", "prometheus_client"])
+    import numpy as np
+
     from daybreak.agent.runtime import load_runtime
     from daybreak.agent.store.engine import BlockStore, Reservation, StoreConfig
     from daybreak.agent.store.tiers import HbmTier
+
+    if args.check_imports:
+        print("gpu_check_store: imports ok")
+        return 0
 
     loaded = load_runtime("nvidia")
     if loaded.name != "nvidia" or not loaded.runtime.devices():

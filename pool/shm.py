@@ -6,6 +6,9 @@ agent re-adopts its DRAM tier), so creating and unlinking are explicit.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import mmap
 import os
 import stat
@@ -13,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.errors import DaybreakError
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path(os.environ.get("DAYBREAK_SHM_DIR", "/dev/shm"))
 
@@ -26,6 +31,11 @@ class ShmSegment:
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self.buffer = memoryview(self._map)
+        # The mapping's address, for madvise through libc (the export is dropped at once so close() works).
+        probe = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(probe)
+        del probe
+        self.closed = False
 
     @staticmethod
     def path_of(name: str) -> Path:
@@ -63,6 +73,7 @@ class ShmSegment:
         """Unmap; fails with BufferError while exported views are alive."""
         self.buffer.release()
         self._map.close()
+        self.closed = True
 
     def unlink(self) -> None:
         self.path_of(self.name).unlink(missing_ok=True)
@@ -84,17 +95,47 @@ MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
 MADV_POPULATE_WRITE = 23
 
 
+def _libc_madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Through ctypes, which drops the GIL for the call: mmap.madvise holds it, so a background fill
+# populating 16 MiB at a time stalled every request thread of the agent for ~10 ms per step
+# (measured: a thread doing short GIL-releasing calls ran 64 of them during a 1 GiB fill, 11,910 with this).
+_MADVISE = _libc_madvise()
+
+
 def populate(segment: ShmSegment, start: int, length: int, *, write: bool) -> bool:
-    """Fault a range of a mapped segment in with one call; False where the kernel cannot."""
+    """Fault a range of a mapped segment in with one call, other threads running meanwhile; False where the kernel cannot.
+
+    ``write=False`` maps the pages read-only (cheaper: a reader never writes through the mapping);
+    the range must hold pages already, or the kernel allocates them as for a write.
+    """
+    if segment.closed or start < 0 or length <= 0 or start + length > segment.size:
+        return False
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    if _MADVISE is not None:
+        if _MADVISE(segment.address + start, length, advice) == 0:
+            return True
+        log.debug("event=populate_failed errno=%d", ctypes.get_errno())
+        return False
     mapping: Any = segment.buffer.obj  # the segment's mmap object
     try:
-        mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ, start, length)
+        mapping.madvise(advice, start, length)
     except (OSError, ValueError, AttributeError):
         return False
     return True
 
 
 BACKING_WINDOW = 2 << 20  # populate granularity: one madvise per 2 MiB instead of 512 page faults
+_READ, _WRITE = 1, 2  # how far a window is backed in this process: mapped for reading, or for writing
 
 
 class Backing:
@@ -102,8 +143,10 @@ class Backing:
 
     ``ensure`` populates only the windows an access is about to touch, once each, so the first
     request to a fresh segment pays for its own pages instead of the whole segment's (an agent
-    backs its tier in the background; a first put must not wait for that). Racing callers may
-    populate a window twice, which is harmless: populating never changes contents.
+    backs its tier in the background; a first put must not wait for that). A reader maps windows
+    read-only (measured 5.9 against 4.4 GB/s for a fresh reader copying 1 MiB blocks out); a
+    later write upgrades them. Racing callers may populate a window twice, which is harmless:
+    populating never changes contents.
     """
 
     def __init__(self, segment: ShmSegment) -> None:
@@ -111,45 +154,50 @@ class Backing:
         self._done = bytearray(-(-segment.size // BACKING_WINDOW))
         self.supported = True
 
-    def ensure(self, start: int, length: int) -> None:
+    def ensure(self, start: int, length: int, *, write: bool = True) -> None:
         """Back ``[start, start + length)`` now, window by window (a no-op for windows already backed)."""
         if not self.supported or length <= 0:
             return
+        level = _WRITE if write else _READ
+        done = self._done
         first = start // BACKING_WINDOW
-        last = min((start + length - 1) // BACKING_WINDOW, len(self._done) - 1)
+        last = min((start + length - 1) // BACKING_WINDOW, len(done) - 1)
         i = first
         while i <= last:
-            if self._done[i]:
+            if done[i] >= level:
                 i += 1
                 continue
             j = i
-            while j <= last and not self._done[j]:
+            while j <= last and done[j] < level:
                 j += 1
             begin = i * BACKING_WINDOW
             end = min(j * BACKING_WINDOW, self.segment.size)
-            if not populate(self.segment, begin, end - begin, write=True):
-                self.supported = False  # old kernel: page faults back the pages instead
+            if not populate(self.segment, begin, end - begin, write=write):
+                self.supported = False  # old kernel (or closed): page faults back the pages instead
                 return
-            self._done[i:j] = b"\x01" * (j - i)
+            for k in range(i, j):
+                done[k] = max(done[k], level)
             i = j
 
-    def mark(self, start: int, length: int) -> None:
-        """Record ``[start, start + length)`` as backed by someone else in this process (whole windows only)."""
-        first = -(-start // BACKING_WINDOW)
-        last = (start + length) // BACKING_WINDOW
-        if last > first:
-            self._done[first:last] = b"\x01" * (last - first)
+    def backed(self, start: int, length: int, *, write: bool) -> bool:
+        """Whether every window of ``[start, start + length)`` is already backed (for writing with ``write``)."""
+        if not self.supported or length <= 0:
+            return True
+        level = _WRITE if write else _READ
+        first = start // BACKING_WINDOW
+        last = min((start + length - 1) // BACKING_WINDOW, len(self._done) - 1)
+        return min(self._done[first:last + 1], default=level) >= level
 
     def pending(self) -> list[tuple[int, int]]:
-        """Runs of windows not backed yet, as (start, length) byte ranges."""
+        """Runs of windows not backed for writing yet, as (start, length) byte ranges."""
         runs: list[tuple[int, int]] = []
         i = 0
         while i < len(self._done):
-            if self._done[i]:
+            if self._done[i] >= _WRITE:
                 i += 1
                 continue
             j = i
-            while j < len(self._done) and not self._done[j]:
+            while j < len(self._done) and self._done[j] < _WRITE:
                 j += 1
             runs.append((i * BACKING_WINDOW, min(j * BACKING_WINDOW, self.segment.size) - i * BACKING_WINDOW))
             i = j

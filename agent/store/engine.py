@@ -34,6 +34,8 @@ from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger(__name__)
 
+_WRITES_RECENT_SECONDS = 0.05  # the background fill waits while a write came in this recently
+
 
 @dataclass
 class Block:
@@ -92,6 +94,7 @@ class BlockStore:
         self.config = config
         self.metrics = config.metrics
         self.lock = threading.RLock()
+        self.last_write = 0.0  # monotonic time of the last reservation: the background fill yields to writes
         self.dram = DramTier(prefix=config.prefix, capacity=config.dram_bytes)
         self.ssd = (SsdTier(directory=Path(config.ssd_path), capacity=config.ssd_bytes)
                     if config.ssd_path and config.ssd_bytes else None)
@@ -142,8 +145,13 @@ class BlockStore:
         return list(self.dram.segments)
 
     def prefault(self) -> None:
-        """Back the DRAM tier with memory now; run in a background thread (about a second per GiB)."""
-        self.dram.prefault()
+        """Back the DRAM tier with memory now; run in a background thread (about a second per GiB).
+
+        The fill pauses while writes arrive (``_WRITES_RECENT_SECONDS``): zeroing pages competes with
+        the writers' copies for the same memory bandwidth and cores, and a write backs its own extent
+        anyway (``back``), so the first seconds after a start go to the requests.
+        """
+        self.dram.prefault(busy=lambda: time.monotonic() - self.last_write < _WRITES_RECENT_SECONDS)
 
     def back(self, slots: Iterable[Reservation | Status]) -> None:
         """Back the DRAM extents just reserved with memory before their bytes land (outside the lock).
@@ -217,6 +225,7 @@ class BlockStore:
         """Find space for a block about to be written (evicting as needed)."""
         if size > self.config.max_block_bytes or size > max(self.dram.sizes):
             return Status.TOO_LARGE
+        self.last_write = time.monotonic()
         with self.lock:
             if key in self.writing:
                 return Status.BUSY

@@ -24,7 +24,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -160,26 +160,32 @@ class DramTier:
         self._rewrite_journal(adopted)
         return adopted
 
-    def prefault(self) -> None:
+    def prefault(self, *, busy: Callable[[], bool] | None = None) -> None:
         """Back the whole tier with memory now (page tables included), so copies never pay first-touch faults.
 
         Contents are untouched (re-adopted blocks stay valid). Run in a background thread: a
-        tier costs about a second per GiB here. The thread runs at the lowest CPU priority and
-        in 16 MiB steps, and requests back their own extents first (``back``), so the first
-        puts after a start run at full speed instead of queueing behind this fill.
+        tier costs about a second per GiB here. The thread runs at the lowest CPU priority, in
+        4 MiB steps (madvise through libc, which releases the GIL), and sleeps while ``busy()``
+        says requests are being served; requests back their own extents first (``back``), so the
+        first puts after a start run at full speed instead of competing with this fill.
         """
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
-        chunk = 16 << 20
+        chunk = 4 << 20
         started = time.monotonic()
+        paused = 0.0
         for backing in list(self.backing):
             for start, length in backing.pending():
                 for begin in range(start, start + length, chunk):
+                    while busy is not None and busy() and self.segments:
+                        time.sleep(0.01)
+                        paused += 0.01
                     backing.ensure(begin, min(chunk, start + length - begin))
                     if not backing.supported or not self.segments:
                         log.info("event=prefault_stopped reason=madvise_unavailable_or_closed")
                         return
-        log.info("event=prefault_done bytes=%d seconds=%.2f", self.capacity, time.monotonic() - started)
+        log.info("event=prefault_done bytes=%d seconds=%.2f paused_seconds=%.2f", self.capacity,
+                 time.monotonic() - started, paused)
 
     def _back_head(self) -> None:
         """Back the first ``HEAD_BYTES`` of the tier before serving: where the arena puts the first blocks.

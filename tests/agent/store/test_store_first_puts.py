@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 
 from daybreak.agent.store.tiers import HEAD_BYTES, DramTier
 from daybreak.client import KVPoolClient
+from daybreak.pool import checksum
 from daybreak.pool.shm import BACKING_WINDOW, SHM_DIR, Backing, ShmSegment
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
@@ -52,6 +55,26 @@ def test_a_fresh_dram_tier_backs_its_head_before_serving_and_the_rest_in_the_bac
         tier.close(unlink=True)
 
 
+def test_the_background_fill_waits_while_requests_are_served() -> None:
+    tier = DramTier(prefix=f"daybreak-test-yield-{uuid.uuid4().hex[:8]}", capacity=HEAD_BYTES + 64 * MiB,
+                    segment_bytes=HEAD_BYTES // 2)
+    busy = threading.Event()
+    busy.set()
+    try:
+        tier.open()
+        before = tier.backing[2].pending()
+        filler = threading.Thread(target=tier.prefault, kwargs={"busy": busy.is_set})
+        filler.start()
+        time.sleep(0.3)
+        assert tier.backing[2].pending() == before  # nothing filled while "requests" arrive
+        busy.clear()
+        filler.join(timeout=60)
+        assert not filler.is_alive() and all(not b.pending() for b in tier.backing)
+    finally:
+        busy.clear()
+        tier.close(unlink=True)
+
+
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[LocalAgent]:
     pool = f"t{uuid.uuid4().hex[:8]}"
@@ -77,7 +100,13 @@ def test_puts_right_after_start_are_stored_byte_exact_while_the_tier_fills(agent
     assert agent.wait_log("event=dram_head_backed"), agent.log[-2000:]
 
 
-def test_a_verified_same_node_batch_split_over_two_threads_never_returns_a_corrupt_block(agent: LocalAgent) -> None:
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_a_verified_same_node_batch_never_returns_a_corrupt_block(agent: LocalAgent, path: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # "fused": one-pass copy + CRC (the extension); "split": copy then CRC, the batch over two threads.
+    if path == "split":
+        monkeypatch.setattr(checksum, "_fused", None)
+    assert checksum.fused() == (path == "fused"), "the _copycrc extension did not build (pip install -e .)"
     agent.start()
     token = agent.token_file.read_text().strip()
     data = [np.full(MiB, i + 1, np.uint8) for i in range(8)]  # 8 MiB: the split path (>= 4 MiB)
