@@ -488,8 +488,9 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
         else:
             conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     result = {
-        **{k: v for k, v in old.items() if k not in ("conditions", "observedGeneration", "prefill", "decode",
-                                                     "router", "kvNamespace", "revision")},
+        # Copies: the caller edits the result and compares it with ``existing`` to decide whether to write.
+        **{k: copy.deepcopy(v) for k, v in old.items()
+           if k not in ("conditions", "observedGeneration", "prefill", "decode", "router", "kvNamespace", "revision")},
         "observedGeneration": generation,
         "conditions": cond.merge(old.get("conditions"), conds, generation=generation),
         "prefill": roles[Role.PREFILL],

@@ -64,6 +64,8 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BODY_BYTES = 32 << 20
 MAX_RESPONSE_BYTES = 64 << 20
 _EXISTS_CHUNK = 1024
+# A retry whose every known pod already failed waits this long for discovery to list another one.
+RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
 PREFIX_TIMEOUT = 0.5
 _DAYBREAK_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens", "bytes_read", "bytes_written",
@@ -580,6 +582,19 @@ class Router:
         everyone = pods.pods() if widen else states
         if not everyone:
             return None
+        if tried and all(p.address in tried for p in everyone):
+            # Every pod known has failed this request. In a rollout that is the old pod, draining, while
+            # discovery has not listed its replacement yet: wait a little for one, rather than spend the
+            # remaining attempts on the pod that just refused.
+            wait_until = min(started + self.config.deadline_seconds, time.monotonic() + RETRY_WAIT_SECONDS)
+            while time.monotonic() < wait_until:
+                await asyncio.sleep(0.1)
+                states = self._pods_of(pods, kv_namespace)
+                everyone = pods.pods() if widen else states
+                if any(p.address not in tried for p in everyone):
+                    break
+            if not everyone:
+                return None
         fresh = ([p for p in states if p.address not in tried] or [p for p in everyone if p.address not in tried]
                  or states or everyone)
         local: dict[str, int] = {}
