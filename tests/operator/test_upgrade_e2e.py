@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,8 @@ PDD = "up"
 BLOCK_TOKENS = 16
 RATE = 0.6
 ENGINE_ARGS = ["--time-scale", "2", "--drain-seconds", "8"]
-LOAD_ARGS = ["--turns", "4", "--system-tokens", "256", "--user-tokens", "128", "--output-tokens", "32"]
+TURNS = 4
+LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", "256", "--user-tokens", "128", "--output-tokens", "32"]
 ROLES = ("prefill", "decode")
 PROBE = {"model": "sim-model", "prompt": "The flush probe: a prompt of its own, long enough for blocks. " * 6,
          "max_tokens": 2}
@@ -91,7 +93,10 @@ class Env:
         return labels == {kv_namespace}
 
     def load(self, name: str, *, seconds: float, seed: int) -> dict[str, Any]:
-        args = ["--sessions", "8", "--rate", str(RATE), "--duration", str(seconds), "--seed", str(seed),
+        # Enough sessions that arrivals last the whole duration (a session ends after its turns), so a
+        # load covers the roll it runs over.
+        sessions = math.ceil(RATE * seconds / TURNS) + 4
+        args = ["--sessions", str(sessions), "--rate", str(RATE), "--duration", str(seconds), "--seed", str(seed),
                 "--request-timeout", "120", *LOAD_ARGS]
         started = time.monotonic()
         self.results[name] = result = run_load(self.router.url, self.workdir / f"{name}.json", args,
