@@ -640,7 +640,10 @@ class Controller:
         every agent of the pool (its endpoints) has answered, the sum goes to retiredKVNamespace.bytesFreed,
         an Event says so and the request leaves the KVPool. Until then each reconcile (or resync) looks again.
         """
-        retired = status.get("retiredKVNamespace") or {}
+        # A copy: ``status`` shares this dict with the cached body it is compared against before writing,
+        # so editing it in place made the write look unnecessary and bytesFreed was never stored (the
+        # request then went out again at every reconcile).
+        retired = dict(status.get("retiredKVNamespace") or {})
         if retired.get("policy") != "flush" or retired.get("bytesFreed") is not None or not retired.get("retiredAt"):
             return
         try:

@@ -57,6 +57,14 @@ ENGINE_PORT = 8000
 KV_NAMESPACE_ANNOTATION = "daybreak.dev/kv-namespace"
 REVISION_ANNOTATION = "daybreak.dev/revision"
 ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+# The router rolls surge first whatever updateStrategy says: it is stateless and cheap, and the Service
+# must always have a ready router while the old one drains (serves what still reaches it, then exits).
+ROUTER_STRATEGY: dict[str, Any] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+ROUTER_DRAIN_SECONDS = 30
+# Serve what still reaches a draining router until no request came for this long: the endpoint update
+# reaching every proxy (seconds) plus clients' idle keep-alive connections expiring on their side
+# (aiohttp's default is 15 s; closing one from the router could race a POST the client cannot retry).
+ROUTER_DRAIN_QUIET_SECONDS = 15
 
 
 @dataclass(frozen=True)
@@ -258,19 +266,24 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
     ca_volumes, ca_mounts = pool_ca_mount(pool)
     template: Manifest = {
         "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
-        "spec": {"serviceAccountName": names.serving_account, "containers": [{
+        # The router drains for up to ROUTER_DRAIN_SECONDS after SIGTERM; the grace period covers it.
+        "spec": {"serviceAccountName": names.serving_account,
+                 "terminationGracePeriodSeconds": ROUTER_DRAIN_SECONDS + 15, "containers": [{
             "name": "router",
             "image": image,
             # Engines from the role Services' EndpointSlices (ready pods only), the pool from its status.
             "command": ["daybreak", "router", "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
                         "--namespace", ns, "--prefill-service", names.role(Role.PREFILL),
-                        "--decode-service", names.role(Role.DECODE), "--pool-ref", pool_ref(pool)],
+                        "--decode-service", names.role(Role.DECODE), "--pool-ref", pool_ref(pool),
+                        "--drain-seconds", str(ROUTER_DRAIN_SECONDS),
+                        "--drain-quiet-seconds", str(ROUTER_DRAIN_QUIET_SECONDS)],
             "env": [
                 *DOWNWARD_ENV,
                 pool_token_env(pdd),
                 # No DAYBREAK_KV_NAMESPACE: the router takes each request's kvNamespace from the engine pods'
                 # label. Its credential is still one namespace's (docs/security.md), so an incompatible upgrade
-                # replaces the router pod through its Secret reference; a compatible one leaves it alone.
+                # replaces the router pod through its Secret reference (surge first, the old one drains: see
+                # ROUTER_STRATEGY); a compatible one leaves it alone.
                 {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
                 {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
                 {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
@@ -421,8 +434,10 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manif
         applied.append((role, _service(pdd, role, names.role(role), headless=True)))
     router_deploy = names.role(Role.ROUTER)
     if pdd.spec.router.enabled:
-        applied.append((Role.ROUTER, _workload(pdd, Role.ROUTER, router_deploy, pdd.spec.router.replicas,
-                                               router_template(pdd, pool, image=image))))
+        router = _workload(pdd, Role.ROUTER, router_deploy, pdd.spec.router.replicas,
+                           router_template(pdd, pool, image=image))
+        router["spec"]["strategy"] = copy.deepcopy(ROUTER_STRATEGY)
+        applied.append((Role.ROUTER, router))
         applied.append((Role.ROUTER, _service(pdd, Role.ROUTER, names.router_service, headless=False)))
     return DeploymentChildren(applied=applied, revision=rev, router_names=(router_deploy, names.router_service),
                               access=serving_access(pdd))
@@ -507,8 +522,9 @@ def status(pdd: PDDeployment, *, pool: KVPool | None, workloads: dict[Role, Mani
         else:
             conds.append(cond.Condition(type="Degraded", status=cond.FALSE, reason="AsExpected", message=""))
     result = {
-        **{k: v for k, v in old.items() if k not in ("conditions", "observedGeneration", "prefill", "decode",
-                                                     "router", "kvNamespace", "revision")},
+        # Copies: the caller edits the result and compares it with ``existing`` to decide whether to write.
+        **{k: copy.deepcopy(v) for k, v in old.items()
+           if k not in ("conditions", "observedGeneration", "prefill", "decode", "router", "kvNamespace", "revision")},
         "observedGeneration": generation,
         "conditions": cond.merge(old.get("conditions"), conds, generation=generation),
         "prefill": roles[Role.PREFILL],

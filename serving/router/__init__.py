@@ -94,8 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cost estimate: loading one block from the pool")
     r.add_argument("--queue-seconds", type=float, default=defaults.queue_seconds,
                    help="cost estimate: one request running or waiting on the pod")
-    parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: wait this long for "
-                        "in-flight requests")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
+                        "before stopping (in-flight requests and those still arriving)")
+    parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
+                        help="SIGTERM: stop once nothing is in flight and no request came for this long (0: as "
+                        "soon as idle); behind a Service give it the endpoint propagation time plus the "
+                        "clients' keep-alive idle timeout (the operator renders 15)")
     parser.add_argument("--log-level", default=_env("DAYBREAK_LOG_LEVEL", "INFO"))
 
 
@@ -181,8 +185,13 @@ async def _main(args: argparse.Namespace) -> int:
 
             async def endpoints() -> list[str]:
                 return static
-        pool = PoolLookup(endpoints=endpoints, token=token, namespace=args.kv_namespace,
-                          clients=max(args.pool_clients, 1))
+        from daybreak.pool.credentials import CredentialError
+
+        try:
+            pool = PoolLookup(endpoints=endpoints, token=token, namespace=args.kv_namespace,
+                              clients=max(args.pool_clients, 1))
+        except CredentialError as exc:
+            raise SystemExit(f"--token: {exc}") from None
 
     log.info("event=settings mode=%s prefill=%s decode=%s pool_lookup=%s block_tokens=%s deadline_s=%.1f "
              "max_attempts=%d cost=%s", "colocated" if prefill is None else "pd",
@@ -191,7 +200,8 @@ async def _main(args: argparse.Namespace) -> int:
              block_tokens, config.deadline_seconds, config.max_attempts, config.cost)
     router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace)
     try:
-        await serve(router, host=args.host, port=args.port, drain_seconds=args.drain_seconds)
+        await serve(router, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+                    drain_quiet_seconds=args.drain_quiet_seconds)
     finally:
         if api is not None:
             await api.close()

@@ -53,6 +53,7 @@ from prometheus_client import (
 
 from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
+from daybreak.pool import credentials
 from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
 from daybreak.serving.router import choice
 from daybreak.serving.router.discovery import PodState, RolePods
@@ -63,6 +64,8 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BODY_BYTES = 32 << 20
 MAX_RESPONSE_BYTES = 64 << 20
 _EXISTS_CHUNK = 1024
+# A retry whose every known pod already failed waits this long for discovery to list another one.
+RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
 PREFIX_TIMEOUT = 0.5
 _DAYBREAK_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens", "bytes_read", "bytes_written",
@@ -107,6 +110,11 @@ class PoolLookup:
         self._endpoints = endpoints
         self._token = token
         self._namespace = namespace
+        # A namespace credential opens only its own namespace: during an upgrade this router's pods of
+        # the other generation are routed on load alone instead of failing a handshake per request.
+        scope, _ = credentials.parse(token)
+        self._only = scope.namespace if scope.role == credentials.NAMESPACE else None
+        self._skipped: set[str] = set()
         self._clients = clients
         self._slots: dict[str, asyncio.Queue[AsyncKVPoolClient | None]] = {}
         self._retry_at = 0.0
@@ -131,6 +139,12 @@ class PoolLookup:
         namespace = namespace or self._namespace
         if not namespace:
             return None  # no kvNamespace known: nothing to ask
+        if self._only is not None and namespace != self._only:
+            if namespace not in self._skipped:
+                self._skipped.add(namespace)
+                log.info("event=pool_lookup_skipped namespace=%s reason=credential_is_for_%s "
+                         "action=route_on_load_and_prefill", namespace, self._only)
+            return None
         queue = await self._queue(namespace)
         client = await queue.get()
         try:
@@ -221,6 +235,8 @@ class Metrics:
                                      "pool held at routing time", ["source"], registry=r)
         self.pool_lookup_seconds = Histogram("daybreak_router_pool_lookup_seconds", "Pool prefix lookups",
                                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.drained_requests = Counter("daybreak_router_drained_requests", "Requests that arrived while the "
+                                        "router was draining (served, then the connection closed)", registry=r)
         self.in_flight = Gauge("daybreak_router_requests_in_flight", "Requests being served", registry=r)
         self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
 
@@ -300,6 +316,9 @@ class Router:
         self.pool = pool
         self.metrics = Metrics()
         self.draining = False
+        self._last_request = time.monotonic()
+        self.drained_requests = 0
+        """Requests that arrived while draining (served; their connections closed after the response)."""
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._prefix_api: dict[str, bool] = {}  # pod -> whether it serves /daybreak/v1/prefix (capability)
@@ -320,6 +339,7 @@ class Router:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_response_prepare.append(self._close_when_draining)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -342,11 +362,34 @@ class Router:
         if self._session is not None:
             await self._session.close()
 
-    async def drain(self, *, timeout_seconds: float) -> None:
-        """Stop looking ready and wait (bounded) for in-flight requests to finish."""
+    async def drain(self, *, timeout_seconds: float, quiet_seconds: float = 0.0) -> None:
+        """Stop looking ready, keep serving, and return once nothing is in flight and no request came for
+        ``quiet_seconds`` (bounded by ``timeout_seconds``).
+
+        A request that reaches a draining router was sent by a client (or a Service) that does not know
+        yet: refusing it would fail it, so it is served, on a connection closed after the response
+        (``Connection: close``), and the client's next connection goes to a ready router. The quiet time
+        covers the endpoint update reaching every proxy and the clients' idle keep-alive connections
+        timing out on their side: closing one of those from here could race a request the client is
+        sending on it, which HTTP/1.1 does not let a client retry safely (POST is not idempotent).
+        """
         self.draining = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_seconds)
+        self._last_request = time.monotonic()
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            left = deadline - time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), left)
+            quiet = time.monotonic() - self._last_request
+            if self._idle.is_set() and quiet >= quiet_seconds:
+                return
+            await asyncio.sleep(min(max(quiet_seconds - quiet, 0.05), max(deadline - time.monotonic(), 0.0)))
+
+    async def _close_when_draining(self, _request: web.Request, response: web.StreamResponse) -> None:
+        # Runs after aiohttp chose the headers, before it writes them: say it and close after the response.
+        if self.draining:
+            response.force_close()
+            response.headers["Connection"] = "close"
 
     # -- small endpoints ---------------------------------------------------------------------------
 
@@ -392,9 +435,10 @@ class Router:
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         started = time.monotonic()
         self.metrics.requests.labels(path).inc()
+        self._last_request = started
         if self.draining:
-            self.metrics.failures.labels("draining").inc()
-            return _error(503, "router is draining; retry on another router", kind="service_unavailable")
+            self.drained_requests += 1
+            self.metrics.drained_requests.inc()
         self._in_flight += 1
         self._idle.clear()
         self.metrics.in_flight.inc()
@@ -532,12 +576,25 @@ class Router:
         # No pod now (a rollout, a scale from zero): wait a little, within the deadline.
         wait_until = min(started + self.config.deadline_seconds, time.monotonic() + 5.0)
         states = self._pods_of(pods, kv_namespace)
-        while not states and not (widen and pods.pods()) and time.monotonic() < wait_until and not self.draining:
+        while not states and not (widen and pods.pods()) and time.monotonic() < wait_until:
             await asyncio.sleep(0.1)
             states = self._pods_of(pods, kv_namespace)
         everyone = pods.pods() if widen else states
         if not everyone:
             return None
+        if tried and all(p.address in tried for p in everyone):
+            # Every pod known has failed this request. In a rollout that is the old pod, draining, while
+            # discovery has not listed its replacement yet: wait a little for one, rather than spend the
+            # remaining attempts on the pod that just refused.
+            wait_until = min(started + self.config.deadline_seconds, time.monotonic() + RETRY_WAIT_SECONDS)
+            while time.monotonic() < wait_until:
+                await asyncio.sleep(0.1)
+                states = self._pods_of(pods, kv_namespace)
+                everyone = pods.pods() if widen else states
+                if any(p.address not in tried for p in everyone):
+                    break
+            if not everyone:
+                return None
         fresh = ([p for p in states if p.address not in tried] or [p for p in everyone if p.address not in tried]
                  or states or everyone)
         local: dict[str, int] = {}
@@ -749,8 +806,8 @@ class Router:
 
 
 async def serve(router: Router, *, host: str, port: int, drain_seconds: float = 30.0,
-                ready: Callable[[], None] | None = None) -> None:
-    """Run ``router`` on ``host:port`` until SIGTERM/SIGINT, then drain (bounded) and stop."""
+                drain_quiet_seconds: float = 0.0, ready: Callable[[], None] | None = None) -> None:
+    """Run ``router`` on ``host:port`` until SIGTERM/SIGINT, then drain (see ``Router.drain``) and stop."""
     runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -764,8 +821,11 @@ async def serve(router: Router, *, host: str, port: int, drain_seconds: float = 
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("event=draining in_flight=%d timeout_s=%.0f", router._in_flight, drain_seconds)
-        await router.drain(timeout_seconds=drain_seconds)
+        log.info("event=draining in_flight=%d timeout_s=%.0f quiet_s=%.0f", router._in_flight, drain_seconds,
+                 drain_quiet_seconds)
+        await router.drain(timeout_seconds=drain_seconds, quiet_seconds=drain_quiet_seconds)
+        log.info("event=drained in_flight=%d served_while_draining=%d", router._in_flight,
+                 router.drained_requests)
     finally:
         await runner.cleanup()
         log.info("event=stopped")

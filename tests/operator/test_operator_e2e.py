@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import ssl
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ import yaml
 
 from daybreak.agent.settings import AgentSettings
 from daybreak.api.pddeployment import PDDeployment
-from daybreak.devenv import tools
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster, fake_node
 from daybreak.pool.engine_secret import credential_secret_name
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,20 +39,9 @@ T = TypeVar("T")
 
 def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 60.0, env: Env | None = None) -> T:
     """Poll ``probe`` until it returns something truthy; fail naming ``what`` (and the operators' logs)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            # Only a real value ends the wait: a caught exception is remembered for the failure
-            # message and the probe retried (an exception object is truthy).
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
-            last = exc
-        time.sleep(0.3)
-    logs = "" if env is None else "\n".join(f"--- {o.identity} ---\n{o.log()[-3000:]}" for o in env.operators)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{logs}")
+    diagnose = None if env is None else (
+        lambda: "\n".join(f"--- {o.identity} ---\n{o.log()[-3000:]}" for o in env.operators))
+    return e2e.wait_for(what, probe, timeout=timeout, diagnose=diagnose)
 
 
 @dataclass
@@ -119,21 +107,11 @@ def pdd_manifest(name: str, pool: str, **spec: Any) -> dict[str, Any]:
     return dict(body)
 
 
-def _helm_agent_rbac() -> str:
-    out = subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                          "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                         capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout
-
-
 @pytest.fixture(scope="module")
 def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     logs = tmp_path_factory.mktemp("operator-e2e")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    agent_rbac = _helm_agent_rbac()
-    cluster.kubectl("apply", "-f", "-", stdin=agent_rbac)
-    cluster.kubectl("create", "namespace", NS)
-    api = cluster.api()
+    ns = e2e.E2ENamespace(cluster, NS).open()
+    api = ns.client
     # A node without accelerators: the pool's agents must stay off it.
     resp = api.post("/api/v1/nodes", json=fake_node(CPU_NODE, ClusterSpec(devices_per_node=0)))
     assert resp.status_code in (201, 409), resp.text
@@ -153,10 +131,8 @@ def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     finally:
         for op in operators:
             op.stop()
-        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
         cluster.kubectl("delete", "node", CPU_NODE, "--wait=false", check=False)
-        cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", stdin=agent_rbac, check=False)
-        api.close()
+        ns.close()
 
 
 def _owned_by(obj: dict[str, Any], parent: dict[str, Any]) -> bool:

@@ -93,7 +93,11 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespac
     flags = dict(zip(command[2::2], command[3::2], strict=True))
     assert flags == {"--host": "$(POD_IP)", "--port": "8000", "--namespace": "ns1",
                      "--prefill-service": "sim-llama-prefill", "--decode-service": "sim-llama-decode",
-                     "--pool-ref": "ns1/kv-minimal"}
+                     "--pool-ref": "ns1/kv-minimal", "--drain-seconds": "30",
+                     "--drain-quiet-seconds": "15"}
+    # It rolls surge first whatever updateStrategy says, and its grace period covers its drain.
+    assert router["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30
     env = {e["name"]: e for e in container["env"]}
     # Even with the pool's own secretRef, the router gets the namespace credential, not the pool secret.
     assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {

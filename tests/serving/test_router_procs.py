@@ -330,3 +330,45 @@ def test_pool_lookups_ask_the_kv_namespace_of_each_request(stack: Stack) -> None
             await pool.close()
 
     assert asyncio.run(lookups()) == (4, 0, 0)
+
+
+def test_a_draining_router_serves_what_still_reaches_it_and_closes_those_connections(stack: Stack) -> None:
+    """SIGTERM: /health turns 503 (readiness off) but a request that still arrives, here on a kept-alive
+    connection, is served and answered with ``Connection: close``; the router exits once quiet."""
+    stack.engine("prefill"), stack.engine("decode")
+    router = stack.start_router(extra=["--drain-quiet-seconds", "3"])
+    host, port = router.address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        body = json.dumps({"prompt": "kept alive " * 8, "max_tokens": 2})
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        first = conn.getresponse()
+        assert first.status == 200 and (first.getheader("connection") or "").lower() != "close"
+        first.read()
+        assert router.proc is not None
+        router.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while post_status(router.address, "/health") != 503:
+            assert time.monotonic() < deadline, "the router never reported draining"
+            time.sleep(0.1)
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        late = conn.getresponse()
+        assert late.status == 200, late.read()
+        assert (late.getheader("connection") or "").lower() == "close"
+        assert json.loads(late.read())["choices"][0]["text"] == output_text(2)
+        assert metric_sum(router.metrics(), "daybreak_router_drained_requests_total") == 1
+    finally:
+        conn.close()
+    assert router.proc.wait(timeout=30) == 0
+
+
+def post_status(address: str, path: str) -> int:
+    host, port = address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return -1
+    finally:
+        conn.close()

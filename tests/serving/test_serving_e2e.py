@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,15 +27,14 @@ import pytest
 import yaml
 
 from daybreak.api.kvcompat import KVLayout
-from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.pool.credentials import NAMESPACE, parse
 from daybreak.pool.engine_secret import credential_secret_name
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "serve-e2e"
 POOL = "kv-e2e"
 PDD = "sim-e2e"
@@ -48,19 +46,7 @@ T = TypeVar("T")
 
 def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 120.0,
              on_fail: Callable[[], str] | None = None) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            # Only a real value ends the wait: a caught exception is remembered for the failure
-            # message and the probe retried (an exception object is truthy).
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-            last = exc
-        time.sleep(0.3)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{on_fail() if on_fail else ''}")
+    return e2e.wait_for(what, probe, timeout=timeout, diagnose=on_fail)
 
 
 @dataclass
@@ -76,8 +62,7 @@ class Serving:
         return list(body.get("items") or [])
 
     def ready_pods(self, role: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods(role) if not p["metadata"].get("deletionTimestamp") and any(
-            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+        return [p for p in self.pods(role) if e2e.is_ready(p)]
 
     def router_url(self) -> str:
         (router,) = wait_for("one Ready router", lambda: (r := self.ready_pods("router")) and len(r) == 1 and r,
@@ -95,25 +80,13 @@ class Serving:
         return totals
 
     def load(self, *args: str, timeout: float = 240) -> dict[str, Any]:
-        out = self.logs / f"load-{time.monotonic_ns()}.json"
-        proc = subprocess.run([daybreak(), "load", "--url", self.router_url(), "--quiet", "--json", str(out), *args],
-                              capture_output=True, text=True, timeout=timeout, env=child_env())
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        return dict(json.loads(out.read_text()))
+        return e2e.run_load(self.router_url(), self.logs / f"load-{time.monotonic_ns()}.json", args, timeout=timeout)
 
     def diagnose(self) -> str:
         lines = [f"--- operator ---\n{self.operator.log()[-2000:]}"]
         for log in sorted((self.cluster.directory / "pods").glob(f"{NS}_*/*.log")):
             lines.append(f"--- {log.parent.name}/{log.name} ---\n{log.read_text(errors='replace')[-1500:]}")
         return "\n".join(lines)
-
-
-def daybreak() -> str:
-    return str(Path(sys.executable).with_name("daybreak"))
-
-
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)$")
@@ -135,21 +108,12 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _agent_rbac() -> str:
-    return subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                           "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout
-
-
 @pytest.fixture(scope="module")
 def serving(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     assert cluster.kubelet is not None, "the serving path needs the process kubelet"
     logs = tmp_path_factory.mktemp("serving-e2e")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    rbac = _agent_rbac()
-    cluster.kubectl("apply", "-f", "-", stdin=rbac)
-    cluster.kubectl("create", "namespace", NS)
-    api = cluster.api()
+    ns = e2e.E2ENamespace(cluster, NS).open()
+    api = ns.client
     operator = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=logs / "operator.log", namespace=NS,
                                identity="serving-e2e", lease_namespace=NS, resync_seconds=5.0)
     env = Serving(cluster, api, operator, logs)
@@ -174,16 +138,9 @@ def serving(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         yield env
     finally:
         operator.stop()
-        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-        # The agents must be gone before later tests run pools on the same nodes: a KVNode is per node,
-        # not per pool, so a report of ours left behind would be summed into their pool's capacity.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and api.get(f"/api/v1/namespaces/{NS}/pods").json().get("items"):
-            time.sleep(0.5)
-        for node in ("daybreak-node-0", "daybreak-node-1"):
-            api.delete(f"/apis/daybreak.dev/v1alpha1/kvnodes/{node}")
-        cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", stdin=rbac, check=False)
-        api.close()
+        # Waits until the agents are gone and deletes their KVNodes: a KVNode is per node, not per pool, so
+        # a report of ours left behind would be summed into a later test's pool on the same nodes.
+        ns.close()
 
 
 def chat(url: str, messages: list[dict[str, str]], *, max_tokens: int = 8) -> dict[str, Any]:
@@ -271,10 +228,10 @@ def test_load_through_the_router_succeeds_and_the_engines_agree_on_the_hit_rate(
 
 def test_deleting_a_decode_pod_mid_load_loses_no_request(serving: Serving) -> None:
     out = serving.logs / "load-delete.json"
-    load = subprocess.Popen([daybreak(), "load", "--url", serving.router_url(), "--quiet", "--json", str(out),
+    load = subprocess.Popen([e2e.daybreak_command(), "load", "--url", serving.router_url(), "--quiet", "--json", str(out),
                              "--sessions", "12", "--turns", "2", "--rate", "2", "--system-tokens", "256",
                              "--user-tokens", "64", "--output-tokens", "16", "--duration", "90", "--seed", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e2e.child_env())
     try:
         time.sleep(4)
         victim = serving.ready_pods("decode")[0]["metadata"]["name"]
