@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pool-lookup", action="store_true",
                    help="never ask the pool (engine-local prefix affinity still works with --kv-layout)")
     p.add_argument("--pool-clients", type=int, default=4, help="parallel pool lookups")
+    p.add_argument("--pool-tls-ca", default="", metavar="FILE",
+                   help="speak TLS to the agents, checking them against this CA bundle "
+                        "(default $DAYBREAK_POOL_TLS_CA_FILE; unset: plain tcp)")
     r = parser.add_argument_group("retries and choice")
     r.add_argument("--deadline-seconds", type=float, default=float(_env("DAYBREAK_ROUTER_DEADLINE_SECONDS", "60")
                                                                    or 60),
@@ -185,11 +188,17 @@ async def _main(args: argparse.Namespace) -> int:
 
             async def endpoints() -> list[str]:
                 return static
+        from daybreak.client import pool_tls_ca_file
+        from daybreak.pool.tls import TlsSettingsError
         from daybreak.pool.credentials import CredentialError
 
         try:
+            tls_ca_file = pool_tls_ca_file(override=args.pool_tls_ca)
+        except TlsSettingsError as exc:
+            raise SystemExit(f"--pool-tls-ca: {exc}") from None
+        try:
             pool = PoolLookup(endpoints=endpoints, token=token, namespace=args.kv_namespace,
-                              clients=max(args.pool_clients, 1))
+                              clients=max(args.pool_clients, 1), tls_ca_file=tls_ca_file)
         except CredentialError as exc:
             raise SystemExit(f"--token: {exc}") from None
 

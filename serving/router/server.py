@@ -106,9 +106,11 @@ class PoolLookup:
     """
 
     def __init__(self, *, endpoints: EndpointLister, token: str, namespace: str | None = None,
-                 clients: int = 4) -> None:
+                 clients: int = 4, tls_ca_file: str | None = None) -> None:
         self._endpoints = endpoints
         self._token = token
+        self._tls_ca_file = tls_ca_file
+        """The pool's CA when its agents speak TLS (``spec.tls``); None: plain tcp."""
         self._namespace = namespace
         # A namespace credential opens only its own namespace: during an upgrade this router's pods of
         # the other generation are routed on load alone instead of failing a handshake per request.
@@ -186,7 +188,8 @@ class PoolLookup:
             if not endpoints:
                 raise RuntimeError("the pool publishes no endpoints yet")
             return await AsyncKVPoolClient.connect(endpoints, token=self._token, namespace=namespace,
-                                                   transport="tcp", timeout_seconds=5.0)
+                                                   transport="tcp", timeout_seconds=5.0,
+                                                   tls_ca_file=self._tls_ca_file)
         except Exception as exc:
             self._note_failure(exc)
             return None
