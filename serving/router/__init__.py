@@ -189,8 +189,8 @@ async def _main(args: argparse.Namespace) -> int:
             async def endpoints() -> list[str]:
                 return static
         from daybreak.client import pool_tls_ca_file
-        from daybreak.pool.tls import TlsSettingsError
         from daybreak.pool.credentials import CredentialError
+        from daybreak.pool.tls import TlsSettingsError
 
         try:
             tls_ca_file = pool_tls_ca_file(override=args.pool_tls_ca)
