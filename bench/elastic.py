@@ -269,6 +269,8 @@ class Bench:
             "ttft_p90_s": summary.get("ttft_p90_s"), "itl_p50_s": summary.get("itl_p50_s"),
             "blocks_corrupt": summary.get("blocks_corrupt"), "errors": summary.get("errors"),
             "timeline": [[round(s.t - start, 1), s.prefill_ready, s.decode_ready] for s in self.samples],
+            # Per request (sent at, ok, TTFT, mean ITL): the shares can be recomputed for other targets.
+            "records": [[round(r.sent_at - start, 2), r.ok, r.ttft_s, request_itl(r)] for r in records],
         }
         print(f"[{config}] {json.dumps({k: result[k] for k in ('requests', 'failed_requests', 'slo', 'pod_seconds', 'reaction_s', 'scale_events')})}",
               flush=True)
