@@ -289,6 +289,7 @@ class Estimate:
     numbers: dict[str, float]
     hold: float | None = None
     missed: bool = False  # the latency missed the target with all ``current`` pods serving (settled)
+    settled: bool = False  # the latency seen is that of ``current`` pods
     demand: float | None = None  # the load the estimate sized for (requests/s or tokens/s + queued)
 
 
@@ -373,7 +374,7 @@ def _latency(windows: list[PodWindow], pick: str) -> Histogram | None:
     return merge_histograms(h for w in windows if (h := getattr(w, pick)) is not None)
 
 
-def _prefill_pods(*, rate: float, uncached: float, throughput: float, target: float) -> tuple[float, float, bool]:
+def prefill_pods(*, rate: float, uncached: float, throughput: float, target: float) -> tuple[float, float, bool]:
     """(pods, planned utilisation, reachable) for ``rate`` requests/s of ``uncached`` tokens each."""
     alone = uncached / throughput
     reachable = alone < target
@@ -417,9 +418,9 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     if throughput is not None and uncached is not None:
         alone = uncached / throughput
         numbers["service_s"] = alone
-        pods, utilisation, reachable = _prefill_pods(rate=rate, uncached=uncached, throughput=throughput,
+        pods, utilisation, reachable = prefill_pods(rate=rate, uncached=uncached, throughput=throughput,
                                                      target=target)
-        hold, _, _ = _prefill_pods(rate=rate, uncached=uncached, throughput=throughput, target=target * (1 - margin))
+        hold, _, _ = prefill_pods(rate=rate, uncached=uncached, throughput=throughput, target=target * (1 - margin))
         numbers["utilisation"] = utilisation
         if reachable:
             why = (f"{rate:.3g} req/s x {uncached:.0f} uncached tokens at {throughput:.0f} tokens/s per pod, "
@@ -436,7 +437,7 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         if missing:
             hold = max(hold, float(current))  # never shrink while the latency misses
         numbers["pods"], numbers["hold"] = pods, hold
-        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, demand=rate)
+        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled, demand=rate)
     # Throughput not learned yet (no pod has had a queue): only the latency can say more pods are needed.
     if missing and p90 is not None and settled:
         pods = len(windows) * p90 / target
@@ -447,7 +448,7 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     return Estimate(float(current), "TTFT within target; prefill throughput not learned yet", numbers)
 
 
-def _decode_pods(*, tokens: float, queued: float, a: float, c: float, target: float) -> tuple[float, float]:
+def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: float) -> tuple[float, float]:
     """(pods, sequences per pod) for ``tokens``/s and ``queued`` requests under ITL = a + c x batch <= target."""
     batch = (target - a) / c
     if batch < 1:
@@ -495,8 +496,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     if fit is not None:
         a, c = fit
         numbers["itl_base_s"], numbers["itl_per_request_s"] = a, c
-        pods, batch = _decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target)
-        hold, _ = _decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target * (1 - margin))
+        pods, batch = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target)
+        hold, _ = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target * (1 - margin))
         numbers["max_batch"] = batch
         if (target - a) / c < 1:
             why = (f"ITL at batch 1 is {a + c:.3g}s, over the {target:g}s target: one sequence per pod for "
@@ -510,7 +511,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         if missing:
             hold = max(hold, float(current))
         numbers["pods"], numbers["hold"] = pods, hold
-        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, demand=tokens + queued)
+        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled,
+                        demand=tokens + queued)
     if missing and mean_itl is not None and settled:
         # No slope yet: ITL taken as proportional to the batch (a = 0); only ever used to scale up, and only
         # once the pods asked for all serve (their latency is not known before).
@@ -686,14 +688,13 @@ class RolePlanner:
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
                                   margin=targets.scale_in_margin)
-        settled = settled_seconds >= lookback + (est.numbers.get("ttft_p90_s", 0.0) if self.role == "prefill" else 0.0)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         numbers = dict(est.numbers)
         numbers["pods_reporting"] = float(len(windows))
         numbers["pods_silent"] = float(len(silent))
         recommended = recommend(est, current=current, tolerance=targets.tolerance)
         reason = est.reason
-        if (recommended is not None and recommended > current and not settled and est.demand is not None
+        if (recommended is not None and recommended > current and not est.settled and est.demand is not None
                 and self.sized_for is not None and est.demand <= self.sized_for * (1 + targets.tolerance)):
             # The pods asked for at this demand are still starting: the same demand is not a reason for more
             # (an early, noisy model would otherwise add a pod per interval of the start-up lag).
@@ -710,17 +711,25 @@ class RolePlanner:
 
 
     def _remember_misses(self, est: Estimate, *, current: int, margin: float) -> Estimate:
-        """Raise the hold above a size whose latency was seen missing, while the demand stays near that level."""
+        """Raise the hold above a size whose latency was seen missing, in every interval whose demand is near
+        the level that missed.
+
+        The memory is not dropped on one quieter interval (a Poisson lull inside a steady peak): the scale-down
+        window's maximum then still holds the pod. It goes when that size (or fewer) is seen meeting the target,
+        settled, at a demand at least as high, or when a larger size misses.
+        """
         if est.demand is None or est.pods is None:
             return est
         if est.missed and (self.missed_at is None or current >= self.missed_at[0]):
             self.missed_at = (current, est.demand)
+        elif (self.missed_at is not None and est.settled and current <= self.missed_at[0]
+              and est.demand >= self.missed_at[1]):
+            self.missed_at = None  # this size met the target at that load after all
         if self.missed_at is None:
             return est
         pods, demand = self.missed_at
         if est.demand < (1 - margin) * demand:
-            self.missed_at = None  # the load fell well below the level that missed: the model may judge again
-            return est
+            return est  # the load is well below the level that missed: the model may judge again
         hold = max(est.hold if est.hold is not None else est.pods, pods + 1.0)
         numbers = dict(est.numbers, hold=hold, missed_at_pods=float(pods))
         return dataclasses.replace(est, hold=hold, numbers=numbers,
