@@ -9,6 +9,16 @@ three PDDeployments, one after the other, on the same KVPool and fed the same
 - ``fixed-avg``: autoscaling off, replicas sized for the mean rate;
 - ``fixed-peak``: autoscaling off, replicas sized for the 4x peak.
 
+Both fixed sizings come from one model (``model_replicas``): the planner's own
+formulas fed with the sim cost model's true numbers instead of learned ones,
+rounded up. The targets are what a user of this cost model would set: TTFT 4 s
+is about four times one request's bare prefill (320 uncached tokens x 3 ms =
+0.96 s), so queueing may add up to three service times; ITL 80 ms is the cost
+model's step time at batch 5 (20 ms + 12 ms per sequence), so a decode pod may
+batch about five sequences. (The earlier 45 ms sat one batch step above the
+32 ms batch-1 ITL: no decode pod could batch, and every fit noise said the
+target was out of reach.)
+
 Measured per configuration: the share of requests meeting the TTFT target,
 the ITL target (the request's mean inter-token gap) and both (a failed
 request meets neither); engine pod-seconds (prefill + decode ready replicas
@@ -26,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import shutil
 import signal
 import subprocess
@@ -48,21 +59,30 @@ ROOT = Path(__file__).resolve().parents[1]
 NS = "bench-elastic"
 CONFIGS = ("planner", "fixed-avg", "fixed-peak")
 # The e2e test's slowed-down cost model: one pod per role serves the base rate within the targets, the 4x
-# step needs two of each, so scaling shows on 2 cores.
-ENGINE_ARGS = ["--time-scale", "2", "--prefill-per-token-seconds", "0.0015", "--decode-per-sequence-seconds",
-               "0.006", "--drain-seconds", "20"]
-LOAD_ARGS = ["--turns", "3", "--system-tokens", "128", "--user-tokens", "256", "--output-tokens", "64"]
+# step needs two of each, so scaling shows on 2 cores. The same numbers size the fixed baselines (below).
+TIME_SCALE = 2.0
+PREFILL_PER_TOKEN_SECONDS = 0.0015
+DECODE_PER_SEQUENCE_SECONDS = 0.006
+ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds", f"{PREFILL_PER_TOKEN_SECONDS:g}",
+               "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--drain-seconds", "20"]
+TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
+LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
+             "--output-tokens", str(OUTPUT_TOKENS)]
+# Prompt tokens a turn computes: its user message and the previous reply (the shared system prompt and the
+# earlier turns are found in the pool). The planner measured 316-372 on this load.
+UNCACHED_TOKENS = USER_TOKENS + OUTPUT_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-rate", type=float, default=0.3, help="1x rate, requests/s")
-    parser.add_argument("--base-seconds", type=float, default=25.0, help="1x phase before the step")
+    parser.add_argument("--base-seconds", type=float, default=40.0, help="1x phase before the step")
     parser.add_argument("--peak-seconds", type=float, default=40.0, help="4x phase")
-    parser.add_argument("--after-seconds", type=float, default=40.0, help="1x phase after the step down")
+    parser.add_argument("--after-seconds", type=float, default=80.0, help="1x phase after the step down")
     parser.add_argument("--peak-factor", type=float, default=4.0, help="the step's multiple of the base rate")
-    parser.add_argument("--peak-replicas", type=int, default=2, help="fixed-peak: engines per role")
-    parser.add_argument("--ttft", type=float, default=4.0, help="TTFT target, seconds")
-    parser.add_argument("--itl", type=float, default=0.045, help="ITL target, seconds")
+    parser.add_argument("--ttft", type=float, default=4.0,
+                        help="TTFT target, seconds (about 4x one request's bare prefill, 320 tokens x 3 ms)")
+    parser.add_argument("--itl", type=float, default=0.08,
+                        help="ITL target, seconds (the cost model's ITL at batch 5: 20 ms + 5 x 12 ms)")
     parser.add_argument("--interval", type=float, default=3.0, help="planner interval, seconds")
     parser.add_argument("--up-window", type=float, default=3.0, help="scale-up stabilisation, seconds")
     parser.add_argument("--down-window", type=float, default=20.0, help="scale-down stabilisation, seconds")
@@ -123,9 +143,27 @@ def reaction(samples: Sequence[tuple[float, int]], *, step: float) -> float | No
     return next((at - step for at, n in samples if at > step and n > level), None)
 
 
-def average_replicas(*, peak_replicas: int, mean_rate: float, peak_rate: float) -> int:
-    """Replicas per role for the mean rate: the peak sizing scaled by mean / peak, rounded, at least 1."""
-    return max(1, round(peak_replicas * mean_rate / peak_rate))
+def model_replicas(rate: float, *, ttft: float, itl: float) -> tuple[int, int]:
+    """(prefill, decode) pods for ``rate`` requests/s from the sim's cost model and the planner's own sizing.
+
+    The fixed baselines are sized with what the planner would conclude if it knew the cost model exactly:
+    prefill S = uncached tokens x per-token cost, pods = rate x S / (1 - S / TTFT target); decode ITL =
+    a + c x batch from the cost model's step time, pods = tokens/s x ITL target / largest batch in target.
+    Rounded up, at least one.
+    """
+    from daybreak.operator.planner import decode_pods, prefill_pods
+    from daybreak.serving.sim.costmodel import CostModel
+
+    cost = CostModel(time_scale=TIME_SCALE, prefill_per_token_seconds=PREFILL_PER_TOKEN_SECONDS,
+                     decode_per_sequence_seconds=DECODE_PER_SEQUENCE_SECONDS)
+    service = cost.prefill_seconds(UNCACHED_TOKENS, context=SYSTEM_TOKENS)
+    prefill, _, _ = prefill_pods(rate=rate, uncached=UNCACHED_TOKENS, throughput=UNCACHED_TOKENS / service,
+                                 target=ttft)
+    context = SYSTEM_TOKENS + TURNS * (USER_TOKENS + OUTPUT_TOKENS) // 2  # a sequence's mean context
+    one = cost.decode_seconds(batch=1, context_tokens=context)
+    slope = cost.decode_seconds(batch=2, context_tokens=2 * context) - one
+    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=one - slope, c=slope, target=itl)
+    return max(1, math.ceil(prefill - 1e-9)), max(1, math.ceil(decode - 1e-9))
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -191,7 +229,7 @@ class Bench:
                 pass
             stop.wait(1.0)
 
-    def deploy(self, name: str, *, autoscale: bool, replicas: int) -> None:
+    def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int]) -> None:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
             "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
@@ -201,8 +239,8 @@ class Bench:
                           "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
                                        "blockTokens": 16}},
                 "engine": {"kind": "sim", "args": ENGINE_ARGS},
-                "prefill": {"replicas": replicas, "minReplicas": 1, "maxReplicas": 4},
-                "decode": {"replicas": replicas, "minReplicas": 1, "maxReplicas": 4},
+                "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
+                "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
                 "autoscaling": {"enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl,
                                 "intervalSeconds": a.interval, "scaleUpStabilizationSeconds": a.up_window,
                                 "scaleDownStabilizationSeconds": a.down_window},
@@ -228,14 +266,14 @@ class Bench:
         name = f"el-{config}"
         mean = a.base_rate * (a.base_seconds + a.peak_factor * a.peak_seconds + a.after_seconds) / (
             a.base_seconds + a.peak_seconds + a.after_seconds)
-        replicas = {"planner": 1, "fixed-peak": a.peak_replicas,
-                    "fixed-avg": average_replicas(peak_replicas=a.peak_replicas, mean_rate=mean,
-                                                  peak_rate=a.base_rate * a.peak_factor)}[config]
-        print(f"[{config}] deploying {replicas} prefill + {replicas} decode "
+        replicas = {"planner": (1, 1), "fixed-peak": model_replicas(a.base_rate * a.peak_factor, ttft=a.ttft, itl=a.itl),
+                    "fixed-avg": model_replicas(mean, ttft=a.ttft, itl=a.itl)}[config]
+        print(f"[{config}] deploying {replicas[0]} prefill + {replicas[1]} decode "
               f"(autoscaling {'on' if config == 'planner' else 'off'})", flush=True)
         self.deploy(name, autoscale=config == "planner", replicas=replicas)
-        url = self.wait(f"{name}: router and {replicas} engines per role ready", lambda: all(
-            self.ready(name, r) >= replicas for r in ("prefill", "decode")) and self.router_url(name))
+        url = self.wait(f"{name}: router and {replicas} engines ready", lambda: all(
+            self.ready(name, r) >= n for r, n in zip(("prefill", "decode"), replicas, strict=True))
+            and self.router_url(name))
         self.samples = []
         stop = threading.Event()
         sampler = threading.Thread(target=self.sample, args=(name, stop), daemon=True)
@@ -254,7 +292,7 @@ class Bench:
                           "reason=Autoscaled")["items"]
         pdd = self.get(f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/{name}")
         result = {
-            "config": config, "replicas_at_start": replicas,
+            "config": config, "replicas_at_start": list(replicas),
             "requests": len(records), "failed_requests": sum(1 for r in records if not r.ok),
             "slo": slo_share(records, ttft=a.ttft, itl=a.itl),
             "pod_seconds": pod_seconds([(t, p + d) for (t, p), (_, d) in zip(prefill, decode, strict=True)],
@@ -269,6 +307,8 @@ class Bench:
             "ttft_p90_s": summary.get("ttft_p90_s"), "itl_p50_s": summary.get("itl_p50_s"),
             "blocks_corrupt": summary.get("blocks_corrupt"), "errors": summary.get("errors"),
             "timeline": [[round(s.t - start, 1), s.prefill_ready, s.decode_ready] for s in self.samples],
+            # Per request (sent at, ok, TTFT, mean ITL): the shares can be recomputed for other targets.
+            "records": [[round(r.sent_at - start, 2), r.ok, r.ttft_s, request_itl(r)] for r in records],
         }
         print(f"[{config}] {json.dumps({k: result[k] for k in ('requests', 'failed_requests', 'slo', 'pod_seconds', 'reaction_s', 'scale_events')})}",
               flush=True)
@@ -343,9 +383,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     began = time.monotonic()
-    settings = {k: getattr(args, k) for k in ("base_rate", "base_seconds", "peak_seconds", "after_seconds",
-                                              "peak_factor", "peak_replicas", "ttft", "itl", "interval",
-                                              "up_window", "down_window")}
+    settings: dict[str, Any] = {k: getattr(args, k) for k in (
+        "base_rate", "base_seconds", "peak_seconds", "after_seconds", "peak_factor", "ttft", "itl", "interval",
+        "up_window", "down_window")}
+    peak_rate = args.base_rate * args.peak_factor
+    spans = (args.base_seconds, args.peak_seconds, args.after_seconds)
+    mean_rate = args.base_rate * (spans[0] + args.peak_factor * spans[1] + spans[2]) / sum(spans)
+    settings["fixed_peak_replicas"] = model_replicas(peak_rate, ttft=args.ttft, itl=args.itl)
+    settings["fixed_avg_replicas"] = model_replicas(mean_rate, ttft=args.ttft, itl=args.itl)
     print(f"bench elastic: {json.dumps(settings)}; engine args {' '.join(ENGINE_ARGS)}; load {' '.join(LOAD_ARGS)}",
           flush=True)
     cluster = LocalCluster(workdir / "cluster", ClusterSpec(nodes=2, devices_per_node=8, process_kubelet=True),

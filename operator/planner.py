@@ -20,12 +20,24 @@ and vLLM:
 
 Before a pod's throughput is learned, or the ITL line can be fitted, the
 planner falls back to the latency ratio (observed / target) so it still scales
-up. The stabiliser then turns the estimate into replicas: a relative dead band
-(no flapping on steady load), the lowest recommendation of the scale-up window
-(a spike must last), the highest of the scale-down window (the load must stay
-low the whole window, and the planner must have watched that long), a maximum
-step each way and the role's bounds. A pod without metrics (new, or its scrape
-failed) is never taken for idle: while one exists the role does not scale in.
+up. Where the target is out of reach (one request alone misses it) the model
+sizes for the best it can do (prefill a quarter busy, decode one sequence per
+pod), never for "every pod allowed". A latency that misses while the model
+says the pods suffice adds one pod, but only once every pod asked for has
+reported for a whole lookback (right after a scale-up the latency is still that
+of the fewer pods: counting it again overshoots).
+
+Scale-in has hysteresis: the estimate carries a hold, the pods needed for
+(1 - margin) x the target, and the role shrinks only to whole pods at or above
+it (and never while the latency misses), so the pod taken away is not wanted
+back next interval. The stabiliser then turns the recommendation into
+replicas: a relative dead band, the lowest recommendation of the scale-up
+window (a spike must last), the highest of the scale-down window measured
+also from the role's last scale-up (the load must stay low the whole window,
+the planner must have watched that long, and the last pod added must have
+shown what it does), a maximum step each way and the role's bounds. A pod
+without metrics (new, or its scrape failed) is never taken for idle: while
+one exists the role does not scale in.
 
 COUNTERS ARE DELTAS: every rate comes from two samples of the same pod; a
 counter that went down means the engine restarted, and that pod has no window
@@ -34,6 +46,7 @@ until its next sample.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -61,9 +74,15 @@ LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
 BUSY_RUNNING = 0.5  # mean running requests from which Little's law is trusted for a prefill pod's throughput
 MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loose the target
 LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions are still made every interval)
-THROUGHPUT_DECAY = 0.98  # per interval: a learned prefill throughput fades slowly (the engine may have changed)
+THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throughput fades slowly (the engine may have changed)
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
+SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the target without it (hysteresis)
+# The least utilisation prefill is planned at. Near (or past) the point where one request alone takes the
+# TTFT target, 1 - S/T goes to zero and the pod count to infinity, though no pod count brings the latency
+# under S: past S/T = 0.75 the planner keeps pods a quarter busy (TTFT ~ 1.33 S) instead of asking for
+# every pod allowed (the old "as many pods as allowed" rule overshot to the bounds on one noisy window).
+MIN_UTILISATION = 0.25
 
 
 # -- samples ---------------------------------------------------------------------------------------
@@ -253,15 +272,25 @@ class Targets:
     max_scale_up_step: int = 4
     max_scale_down_step: int = 1
     tolerance: float = 0.1
+    scale_in_margin: float = SCALE_IN_MARGIN
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """The model's answer for one role: pods needed (a real number), why, and the numbers behind it."""
+    """The model's answer for one role: pods needed (a real number), why, and the numbers behind it.
+
+    ``hold`` is the scale-in floor: the pods the model needs to meet (1 - margin) x the target. The role
+    shrinks only to whole pods at or above it, so a pod removed leaves room and the next interval does not
+    want it back (the 3 -> 2 -> 3 flap). None means "the same as ``pods``".
+    """
 
     pods: float | None  # None: nothing to go on (no pod reported)
     reason: str
     numbers: dict[str, float]
+    hold: float | None = None
+    missed: bool = False  # the latency missed the target with all ``current`` pods serving (settled)
+    settled: bool = False  # the latency seen is that of ``current`` pods
+    demand: float | None = None  # the load the estimate sized for (requests/s or tokens/s + queued)
 
 
 @dataclass
@@ -273,7 +302,7 @@ class PrefillLearning:
     when busy), and uncached tokens per request over the mean TTFT (TTFT is at least the prefill time: tight
     when requests did not queue). All are low by the batch factor for an engine that batches prefills (then
     the planner over-provisions, never under-). Lower bounds combine by maximum: the estimate is the largest
-    seen, fading by THROUGHPUT_DECAY per interval so a changed engine is relearned.
+    seen, fading by THROUGHPUT_DECAY per busy interval so a changed engine is relearned.
     """
 
     tokens_per_second: float | None = None
@@ -293,7 +322,12 @@ class PrefillLearning:
                 # two bounds above are weak.
                 bound = max(bound, w.uncached_tokens / w.requests / ttft)
             seen.append(bound)
-        faded = None if self.tokens_per_second is None else self.tokens_per_second * THROUGHPUT_DECAY
+        # Fade only while a pod was busy (where a changed engine would show): fading across idle intervals
+        # let the estimate sink to the weak low-load bounds, which asked for more pods, which made every pod
+        # idler still (the over-provisioning spiral of a long peak).
+        busy = any(w.mean_running >= BUSY_RUNNING for w in windows)
+        decay = THROUGHPUT_DECAY if busy else 1.0
+        faded = None if self.tokens_per_second is None else self.tokens_per_second * decay
         if seen:
             self.tokens_per_second = max(seen) if faded is None else max(faded, max(seen))
         else:
@@ -340,9 +374,24 @@ def _latency(windows: list[PodWindow], pick: str) -> Histogram | None:
     return merge_histograms(h for w in windows if (h := getattr(w, pick)) is not None)
 
 
+def prefill_pods(*, rate: float, uncached: float, throughput: float, target: float) -> tuple[float, float, bool]:
+    """(pods, planned utilisation, reachable) for ``rate`` requests/s of ``uncached`` tokens each."""
+    alone = uncached / throughput
+    reachable = alone < target
+    utilisation = max(MIN_UTILISATION, min(MAX_UTILISATION, 1.0 - alone / target))
+    return rate * uncached / (throughput * utilisation), utilisation, reachable
+
+
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
-                     unreachable: float) -> Estimate:
-    """Prefill pods needed to keep TTFT under ``target`` at the observed arrival rate and uncached prompt length."""
+                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
+                     margin: float = SCALE_IN_MARGIN) -> Estimate:
+    """Prefill pods needed to keep TTFT under ``target`` at the observed arrival rate and uncached prompt length.
+
+    ``settled_seconds``: how long every pod asked for has been reporting. The latency seen is that of
+    ``current`` pods only once that covers the lookback plus the TTFT itself (a request finishing now
+    queued for its whole TTFT, maybe before the last pod served): only then may a latency that misses
+    add a pod the model did not ask for.
+    """
     if not windows:
         return Estimate(None, "no prefill pod has reported metrics yet", {})
     # Arrivals = first tokens produced + growth of the queue: a saturated pod's completions alone hide demand.
@@ -364,43 +413,76 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         numbers["pod_tokens_per_s"] = throughput
     if rate <= 0 and numbers["queued"] <= 0 and numbers["running"] <= 0:
         return Estimate(0.0, "no prefill requests", numbers)
+    missing = p90 is not None and p90 > target
+    settled = settled_seconds >= lookback_seconds + (p90 or 0.0)
     if throughput is not None and uncached is not None:
         alone = uncached / throughput
         numbers["service_s"] = alone
-        if alone >= target:
-            numbers["pods"] = unreachable
-            return Estimate(unreachable, f"one request alone needs {alone:.3g}s of prefill, over the "
-                                         f"{target:g}s TTFT target: as many pods as allowed", numbers)
-        utilisation = min(MAX_UTILISATION, 1.0 - alone / target)
-        pods = rate * uncached / (throughput * utilisation)
+        pods, utilisation, reachable = prefill_pods(rate=rate, uncached=uncached, throughput=throughput,
+                                                     target=target)
+        hold, _, _ = prefill_pods(rate=rate, uncached=uncached, throughput=throughput, target=target * (1 - margin))
         numbers["utilisation"] = utilisation
-        why = (f"{rate:.3g} req/s x {uncached:.0f} uncached tokens at {throughput:.0f} tokens/s per pod, "
-               f"utilisation <= {utilisation:.2f} for TTFT {target:g}s")
+        if reachable:
+            why = (f"{rate:.3g} req/s x {uncached:.0f} uncached tokens at {throughput:.0f} tokens/s per pod, "
+                   f"utilisation <= {utilisation:.2f} for TTFT {target:g}s")
+        else:
+            why = (f"one request alone needs {alone:.3g}s of prefill, over the {target:g}s TTFT target: "
+                   f"{rate:.3g} req/s sized at utilisation {utilisation:.2f}")
         floor = hist.quantile_floor(0.9) if hist else None
-        if floor is not None and floor >= target and pods <= current:
+        if floor is not None and floor >= target and pods <= current and settled:
             # The model thinks the pods suffice but the latency certainly misses (the whole p90 bucket is over
-            # the target, not just its interpolation): trust the latency, one pod more.
+            # the target, not just its interpolation) with every pod serving: trust the latency, one pod more.
             pods = current + 1.0
             why += f"; but TTFT p90 is over {floor:.3g}s, above target: one more"
-        numbers["pods"] = pods
-        return Estimate(pods, why, numbers)
+        if missing:
+            hold = max(hold, float(current))  # never shrink while the latency misses
+        numbers["pods"], numbers["hold"] = pods, hold
+        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled, demand=rate)
     # Throughput not learned yet (no pod has had a queue): only the latency can say more pods are needed.
-    if p90 is not None and p90 > target:
+    if missing and p90 is not None and settled:
         pods = len(windows) * p90 / target
         numbers["pods"] = pods
-        return Estimate(pods, f"TTFT p90 {p90:.3g}s over target {target:g}s (throughput not learned yet)", numbers)
+        return Estimate(pods, f"TTFT p90 {p90:.3g}s over target {target:g}s (throughput not learned yet)", numbers,
+                        hold=max(pods, float(current)))
     numbers["pods"] = float(current)
     return Estimate(float(current), "TTFT within target; prefill throughput not learned yet", numbers)
 
 
+def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: float) -> tuple[float, float]:
+    """(pods, sequences per pod) for ``tokens``/s and ``queued`` requests under ITL = a + c x batch <= target."""
+    batch = (target - a) / c
+    if batch < 1:
+        # Even batch 1 misses: one sequence per pod is the best there is (more pods buy nothing).
+        return tokens * (a + c) + queued, 1.0
+    # Little's law: at the target ITL the tokens/s now produced keep tokens x target requests running.
+    return (tokens * target + queued) / batch, batch
+
+
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
-                    unreachable: float) -> Estimate:
-    """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued."""
+                    settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
+                    margin: float = SCALE_IN_MARGIN) -> Estimate:
+    """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
+
+    ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
+    """
+    settled = settled_seconds >= lookback_seconds
     if not windows:
         return Estimate(None, "no decode pod has reported metrics yet", {})
     in_flight = sum(w.mean_running + w.mean_waiting for w in windows)
-    queued = sum(w.mean_waiting for w in windows) + sum(max(0.0, w.waiting_growth) for w in windows)
+    # The standing queue needs slots, but while pods asked for are still starting it is the backlog they
+    # will drain, not new demand: counting it then grew the role again each interval of the start-up lag.
+    standing = sum(w.mean_waiting for w in windows) if settled else 0.0
     tokens = sum((w.itl.count if w.itl is not None else 0.0) / w.seconds for w in windows)
+    # A growing queue is demand the pods did not serve: as tokens/s (its arrival rate x tokens per request),
+    # so it weighs the same whatever the window's length; a bare count only when nothing finished yet.
+    growth = sum(max(0.0, w.waiting_growth) for w in windows)
+    finished = sum(w.requests for w in windows)
+    produced = sum(w.itl.count for w in windows if w.itl is not None)
+    if finished > 0 and produced > 0:
+        tokens += sum(max(0.0, w.waiting_growth) / w.seconds for w in windows) * produced / finished
+        queued = standing
+    else:
+        queued = standing + growth
     hist = _latency(windows, "itl")
     mean_itl = hist.mean() if hist else None
     numbers: dict[str, float] = {"in_flight": in_flight, "queued": queued, "tokens_per_s": tokens,
@@ -409,34 +491,48 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         numbers["itl_mean_s"] = mean_itl
     if in_flight <= 0 and tokens <= 0:
         return Estimate(0.0, "no decode requests in flight", numbers)
+    missing = mean_itl is not None and mean_itl > target
     fit = learned.fit()
     if fit is not None:
         a, c = fit
         numbers["itl_base_s"], numbers["itl_per_request_s"] = a, c
-        batch = (target - a) / c
+        pods, batch = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target)
+        hold, _ = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target * (1 - margin))
         numbers["max_batch"] = batch
-        if batch < 1:
-            numbers["pods"] = unreachable
-            return Estimate(unreachable, f"ITL at batch 1 is {a + c:.3g}s, over the {target:g}s target: "
-                                         "as many pods as allowed", numbers)
-        # Little's law: at the target ITL the tokens/s now produced keep tokens x target requests running.
-        slots = tokens * target + queued
-        pods = slots / batch
-        numbers["slots_at_target"] = slots
-        why = (f"{tokens:.3g} tokens/s and {queued:.3g} queued need {slots:.3g} slots, at most {batch:.3g} per "
-               f"pod for ITL {target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
-        if mean_itl is not None and mean_itl > target and pods <= current:
+        if (target - a) / c < 1:
+            why = (f"ITL at batch 1 is {a + c:.3g}s, over the {target:g}s target: one sequence per pod for "
+                   f"{tokens:.3g} tokens/s and {queued:.3g} queued")
+        else:
+            why = (f"{tokens:.3g} tokens/s and {queued:.3g} queued, at most {batch:.3g} per pod for ITL "
+                   f"{target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
+        if missing and pods <= current and settled:
             pods = current + 1.0
             why += f"; but ITL {mean_itl:.3g}s is over target: one more"
-        numbers["pods"] = pods
-        return Estimate(pods, why, numbers)
-    if mean_itl is not None and mean_itl > target:
-        # No slope yet: ITL taken as proportional to the batch (a = 0); only ever used to scale up.
+        if missing:
+            hold = max(hold, float(current))
+        numbers["pods"], numbers["hold"] = pods, hold
+        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled,
+                        demand=tokens + queued)
+    if missing and mean_itl is not None and settled:
+        # No slope yet: ITL taken as proportional to the batch (a = 0); only ever used to scale up, and only
+        # once the pods asked for all serve (their latency is not known before).
         pods = len(windows) * mean_itl / target
         numbers["pods"] = pods
-        return Estimate(pods, f"ITL {mean_itl:.3g}s over target {target:g}s (batch slope not fitted yet)", numbers)
+        return Estimate(pods, f"ITL {mean_itl:.3g}s over target {target:g}s (batch slope not fitted yet)", numbers,
+                        hold=max(pods, float(current)))
     numbers["pods"] = float(current)
     return Estimate(float(current), "ITL within target; batch slope not fitted yet", numbers)
+
+
+def recommend(est: Estimate, *, current: int, tolerance: float) -> int | None:
+    """Whole pods for an estimate: up past the dead band at once; down only as far as the hold allows."""
+    if est.pods is None:
+        return None
+    rounded = round_with_tolerance(est.pods, current=current, tolerance=tolerance)
+    if rounded >= current:
+        return rounded
+    hold = est.pods if est.hold is None else max(est.hold, est.pods)
+    return min(current, max(rounded, math.ceil(hold - 1e-9)))
 
 
 def round_with_tolerance(pods: float, *, current: int, tolerance: float) -> int:
@@ -464,14 +560,35 @@ class Decision:
 
 
 class Stabiliser:
-    """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role)."""
+    """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role).
+
+    Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step.
+    Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
+    window), and the window is also measured from the role's last scale-up: the recommendations made
+    while the added pods were still starting (or the load was still climbing) say little, and a step up
+    followed by a steady peak must never shrink inside the window. Later steps down may follow each
+    interval: the hold (scale-in margin) makes each one safe on its own.
+    """
 
     def __init__(self) -> None:
         self.history: deque[tuple[float, int]] = deque()
         self.started: float | None = None
+        self.last_scale_up: float | None = None  # when the replicas last grew (by us or by anyone)
+        self.last_current: int | None = None
 
     def decide(self, *, now: float, current: int, recommended: int | None, bounds: tuple[int, int],
                targets: Targets, can_scale_in: bool) -> tuple[int, str]:
+        desired, why = self._decide(now=now, current=current, recommended=recommended, bounds=bounds,
+                                    targets=targets, can_scale_in=can_scale_in)
+        if self.last_current is not None and current > self.last_current:
+            self.last_scale_up = now  # grew since the last interval (ours applied late, or a human's)
+        if desired > current:
+            self.last_scale_up = now
+        self.last_current = desired
+        return desired, why
+
+    def _decide(self, *, now: float, current: int, recommended: int | None, bounds: tuple[int, int],
+                targets: Targets, can_scale_in: bool) -> tuple[int, str]:
         low, high = bounds
         if self.started is None:
             self.started = now
@@ -492,15 +609,20 @@ class Stabiliser:
             return desired, f"scale up: lowest recommendation over {targets.scale_up_stabilization_seconds:g}s is {up}"
         down = max(down_window)
         if down < current:
+            window = targets.scale_down_stabilization_seconds
             watched = now - self.started
-            if watched < targets.scale_down_stabilization_seconds:
-                return current, (f"would scale in to {down}, but watched only {watched:.0f}s of the "
-                                 f"{targets.scale_down_stabilization_seconds:g}s window")
+            if watched < window:
+                return current, f"would scale in to {down}, but watched only {watched:.0f}s of the {window:g}s window"
+            grew = self.last_scale_up
+            if self.last_current is not None and current > self.last_current:
+                grew = now
+            if grew is not None and now - grew < window:
+                return current, (f"would scale in to {down}, but the role grew {now - grew:.0f}s ago, "
+                                 f"within the {window:g}s window")
             if not can_scale_in:
                 return current, f"would scale in to {down}, but a pod has no metrics yet (not taken as idle)"
             desired = max(down, current - targets.max_scale_down_step)
-            return desired, (f"scale in: highest recommendation over {targets.scale_down_stabilization_seconds:g}s "
-                             f"is {down}")
+            return desired, f"scale in: highest recommendation over {window:g}s is {down}"
         return current, "steady"
 
 
@@ -515,6 +637,11 @@ class RolePlanner:
     decode: DecodeLearning = field(default_factory=DecodeLearning)
     stabiliser: Stabiliser = field(default_factory=Stabiliser)
     last_windows: dict[str, PodWindow] = field(default_factory=dict)
+    unsettled_at: float | None = None  # the last interval with a silent pod, too few pods or a change
+    # (pods, demand) at which the latency was last seen missing with every pod serving: the model was wrong
+    # there, so the role does not go back to that many pods until the demand has fallen by the margin.
+    missed_at: tuple[int, float] | None = None
+    sized_for: float | None = None  # the demand the last scale-up was sized for
 
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
              bounds: tuple[int, int], targets: Targets) -> Decision:
@@ -545,26 +672,69 @@ class RolePlanner:
         for gone in set(self.history) - set(pods):
             del self.history[gone]
         self.last_windows = {w.pod: w for w in windows}
-        unreachable = float(bounds[1])
+        # Settled: every pod asked for has reported for a whole lookback, so the latency seen is what
+        # ``current`` pods deliver (just after a scale-up it is still that of the fewer, overloaded pods).
+        if silent or len(windows) < current or current != self.stabiliser.last_current or self.unsettled_at is None:
+            self.unsettled_at = now
+        settled_seconds = now - self.unsettled_at
+        lookback = LOOKBACK_INTERVALS * targets.interval_seconds
         if self.role == "prefill":
             self.prefill.observe(windows)
             est = estimate_prefill(windows, target=targets.ttft_seconds, learned=self.prefill, current=current,
-                                   unreachable=unreachable)
+                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
+                                   margin=targets.scale_in_margin)
         else:
             self.decode.observe(windows)
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
-                                  unreachable=unreachable)
+                                  settled_seconds=settled_seconds, lookback_seconds=lookback,
+                                  margin=targets.scale_in_margin)
+        est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         numbers = dict(est.numbers)
         numbers["pods_reporting"] = float(len(windows))
         numbers["pods_silent"] = float(len(silent))
-        recommended = None
-        if est.pods is not None:
-            recommended = round_with_tolerance(est.pods, current=current, tolerance=targets.tolerance)
+        recommended = recommend(est, current=current, tolerance=targets.tolerance)
+        reason = est.reason
+        if (recommended is not None and recommended > current and not est.settled and est.demand is not None
+                and self.sized_for is not None and est.demand <= self.sized_for * (1 + targets.tolerance)):
+            # The pods asked for at this demand are still starting: the same demand is not a reason for more
+            # (an early, noisy model would otherwise add a pod per interval of the start-up lag).
+            recommended = current
+            reason += f"; waiting for the pods asked for at {self.sized_for:.3g}"
+        if recommended is not None:
             numbers["recommended"] = float(recommended)
         desired, why = self.stabiliser.decide(now=now, current=current, recommended=recommended, bounds=bounds,
                                               targets=targets, can_scale_in=not silent)
-        return Decision(role=self.role, current=current, desired=desired, reason=f"{why}; {est.reason}",
+        if desired > current:
+            self.sized_for = est.demand
+        return Decision(role=self.role, current=current, desired=desired, reason=f"{why}; {reason}",
                         numbers=numbers)
+
+
+    def _remember_misses(self, est: Estimate, *, current: int, margin: float) -> Estimate:
+        """Raise the hold above a size whose latency was seen missing, in every interval whose demand is near
+        the level that missed.
+
+        The memory is not dropped on one quieter interval (a Poisson lull inside a steady peak): the scale-down
+        window's maximum then still holds the pod. It goes when that size (or fewer) is seen meeting the target,
+        settled, at a demand at least as high, or when a larger size misses.
+        """
+        if est.demand is None or est.pods is None:
+            return est
+        if est.missed and (self.missed_at is None or current >= self.missed_at[0]):
+            self.missed_at = (current, est.demand)
+        elif (self.missed_at is not None and est.settled and current <= self.missed_at[0]
+              and est.demand >= self.missed_at[1]):
+            self.missed_at = None  # this size met the target at that load after all
+        if self.missed_at is None:
+            return est
+        pods, demand = self.missed_at
+        if est.demand < (1 - margin) * demand:
+            return est  # the load is well below the level that missed: the model may judge again
+        hold = max(est.hold if est.hold is not None else est.pods, pods + 1.0)
+        numbers = dict(est.numbers, hold=hold, missed_at_pods=float(pods))
+        return dataclasses.replace(est, hold=hold, numbers=numbers,
+                                   reason=est.reason + f"; not back to {pods} pods (they missed the target "
+                                                       f"at this load)")
 
 
 def deletion_costs(samples: Mapping[str, PodSample], pods: Iterable[str]) -> dict[str, int]:

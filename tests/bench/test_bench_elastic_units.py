@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daybreak.bench.elastic import average_replicas, pod_seconds, ratios, reaction, slo_share
+from daybreak.bench.elastic import model_replicas, pod_seconds, ratios, reaction, slo_share
 from daybreak.serving.load.summary import RequestRecord
 
 
@@ -42,10 +42,12 @@ def test_reaction_is_the_step_to_the_first_sample_with_more_ready_pods() -> None
     assert reaction([(0.0, 2), (20.0, 2)], step=10.0) is None
 
 
-def test_average_sizing_rounds_the_peak_sizing_by_mean_over_peak_and_keeps_one() -> None:
-    assert average_replicas(peak_replicas=2, mean_rate=0.64, peak_rate=1.2) == 1
-    assert average_replicas(peak_replicas=4, mean_rate=0.9, peak_rate=1.2) == 3
-    assert average_replicas(peak_replicas=2, mean_rate=0.01, peak_rate=1.2) == 1
+def test_fixed_sizing_comes_from_the_cost_model_and_the_planners_formulas() -> None:
+    # 320 uncached tokens x 3 ms = 0.96 s of prefill; ITL = 20 ms + 12 ms x batch, batch 5 within 80 ms.
+    assert model_replicas(0.3, ttft=4.0, itl=0.08) == (1, 1)  # the base rate
+    assert model_replicas(1.2, ttft=4.0, itl=0.08) == (2, 2)  # 4x: 1.2 x 0.96 / 0.76 = 1.5; 76.8 x 0.08 / 5 = 1.2
+    assert model_replicas(2.4, ttft=4.0, itl=0.08) == (4, 3)
+    assert model_replicas(0.001, ttft=4.0, itl=0.08) == (1, 1)  # never below one
 
 
 def test_ratios_and_the_target() -> None:
