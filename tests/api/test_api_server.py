@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 from daybreak.api import KVPool, PDDeployment, parse_bytes
 from daybreak.api.registry import CRD_KINDS
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.testing import e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "api-test"
@@ -46,14 +46,7 @@ class Api:
 
 
 def _wait_for(what: str, probe: Any, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = probe()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
+    return e2e.wait_for(what, probe, timeout=timeout, interval=0.25)
 
 
 @pytest.fixture(scope="module")

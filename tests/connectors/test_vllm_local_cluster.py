@@ -34,6 +34,7 @@ import yaml
 from daybreak.client.discovery import endpoints_from_pool
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -56,17 +57,7 @@ T = TypeVar("T")
 
 
 def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float, on_fail: Callable[[], str]) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-            last = exc
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{on_fail()}")
+    return e2e.wait_for(what, probe, timeout=timeout, interval=0.5, diagnose=on_fail)
 
 
 def metric(url: str, name: str) -> float:

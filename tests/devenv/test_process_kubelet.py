@@ -25,6 +25,7 @@ import pytest
 
 from daybreak.devenv import kubelet as kubelet_mod
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.testing import e2e
 
 pytestmark = pytest.mark.e2e
 
@@ -33,17 +34,7 @@ T = TypeVar("T")
 
 
 def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-            last = exc
-        if last:
-            return last  # type: ignore[no-any-return]
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}")
+    return e2e.wait_for(what, probe, timeout=timeout, interval=0.2)
 
 
 def pod_manifest(name: str, *args: str, labels: dict[str, str] | None = None, probe_path: str = "/health",

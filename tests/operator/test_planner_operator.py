@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,17 +95,8 @@ def serve(address: str, metrics: EngineMetrics) -> ThreadingHTTPServer:
 
 
 def wait_for(what: str, probe: Callable[[], T | None], *, op: OperatorProcess, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
-            last = exc  # not there yet: keep waiting
-        time.sleep(0.3)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{op.log()[-4000:]}")
+    """``testing.e2e.wait_for`` with the operator's log in the failure message."""
+    return e2e.wait_for(what, probe, timeout=timeout, diagnose=lambda: op.log()[-4000:])
 
 
 @pytest.fixture
