@@ -237,6 +237,9 @@ class Service:
                     self._error(conn, header.request_id, f"not authorized: {exc}")
                     return
                 self.store.metrics.latency.labels(op=header.op.name.lower()).observe(time.perf_counter() - started)
+        except ssl.SSLEOFError as exc:
+            # The peer hung up mid-TLS: a tcpSocket probe does that every few seconds on a TLS pool.
+            log.debug("event=connection_lost agent=%s peer=%s reason=%s", self.agent_id, peer, exc)
         except (p.ProtocolError, ssl.SSLError) as exc:
             self.store.metrics.rejected.labels(reason="protocol").inc()
             log.warning("event=connection_closed agent=%s peer=%s reason=%r", self.agent_id, peer, str(exc))
