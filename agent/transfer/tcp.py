@@ -220,7 +220,10 @@ class _Peer:
                 try:
                     frame.sync = sync
                     if not conn.send(frame):
-                        return False
+                        # The connection was dead: send() has already handed the frame on (requeued
+                        # or failed over). Reporting it unsent would queue it a second time, and its
+                        # pieces would be counted done twice.
+                        return True
                 finally:
                     conn.send_lock.release()
                 if sync:

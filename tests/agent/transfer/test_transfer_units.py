@@ -273,3 +273,27 @@ def test_silent_and_trickling_peers_are_closed_at_the_handshake_deadline(monkeyp
             assert closed, "a peer trickling its HELLO outlived the handshake deadline"
             assert silent.recv(1) == b""
             assert time.monotonic() - started < 15
+
+
+def test_an_inline_frame_on_a_dead_connection_is_handed_on_once() -> None:
+    """send() on a dead connection requeues the frame itself; the inline path must not queue it again."""
+    import threading
+    from types import SimpleNamespace
+
+    from daybreak.agent.transfer import tcp
+
+    options = tcp.TcpOptions(listen="127.0.0.1:0", advertise=None, connections=1, slice_bytes=1 << 20, checksum=False)
+    peer = tcp._Peer(host=None, options=options, endpoint="127.0.0.1:1")  # type: ignore[arg-type]
+
+    class DeadConn:
+        alive = True  # it dies while sending
+        send_lock = threading.Lock()
+
+        def send(self, frame: object) -> bool:
+            peer.queue.put(frame)  # what _Conn.send does when it finds itself dead
+            return False
+
+    peer.conns = [DeadConn()]  # type: ignore[list-item]
+    frame = SimpleNamespace(batch=SimpleNamespace(handed_out=False), sync=False)
+    assert peer._send_inline(frame)  # type: ignore[arg-type]
+    assert peer.queue.qsize() == 1
