@@ -562,7 +562,8 @@ class Decision:
 class Stabiliser:
     """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role).
 
-    Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step.
+    Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step;
+    the window is never shorter than the rates' lookback plus one interval (one burst interval is not demand).
     Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
     window), and the window is also measured from the role's last scale-up: the recommendations made
     while the added pods were still starting (or the load was still climbing) say little, and a step up
@@ -598,15 +599,21 @@ class Stabiliser:
             return current, "no recommendation"
         recommended = min(max(recommended, low), high)
         self.history.append((now, recommended))
-        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds)
+        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds,
+                   (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
         while self.history and self.history[0][0] < now - keep - targets.interval_seconds:
             self.history.popleft()
-        up_window = [r for t, r in self.history if t >= now - targets.scale_up_stabilization_seconds]
+        # Rates span LOOKBACK_INTERVALS intervals, so one burst interval lifts that many recommendations in a
+        # row: the up window covers one more (half an interval of slack for scrape jitter), or a lone burst
+        # would pass as sustained demand and add a pod that is held through the peak.
+        up_seconds = max(targets.scale_up_stabilization_seconds,
+                         (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
+        up_window = [r for t, r in self.history if t >= now - up_seconds]
         down_window = [r for t, r in self.history if t >= now - targets.scale_down_stabilization_seconds]
         up = min(up_window)
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
-            return desired, f"scale up: lowest recommendation over {targets.scale_up_stabilization_seconds:g}s is {up}"
+            return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
         down = max(down_window)
         if down < current:
             window = targets.scale_down_stabilization_seconds
