@@ -130,8 +130,10 @@ class FluidRole:
 
 
 def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[float],
-          t: Targets | None = None, startup: int = 0) -> list[tuple[float, int, str]]:
+          t: Targets | None = None, startup: int = 0, ahead: bool = False) -> list[tuple[float, int, str]]:
     """Run the planner one decision per interval; new pods serve after ``startup`` intervals (0: at once).
+
+    ``ahead`` (decode): pass prefill's arrival rate, which is the rate decode sees one interval later.
 
     Returns (time, replicas, reason) per interval.
     """
@@ -140,11 +142,12 @@ def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[floa
     planner = RolePlanner(role)
     now = 0.0
     trail: list[tuple[float, int, str]] = []
-    for rate in rates:
+    arrivals = list(rates[1:]) + rates[-1:]
+    for i, rate in enumerate(rates):
         fluid.advance(rate, INTERVAL)
         now += INTERVAL
         decision = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=replicas,
-                                bounds=bounds, targets=t)
+                                bounds=bounds, targets=t, arrivals=arrivals[i] if ahead else None)
         replicas = decision.desired
         fluid.resize(replicas)
         trail.append((now, replicas, decision.reason))
@@ -352,3 +355,18 @@ def test_one_burst_interval_adds_no_pod_but_a_sustained_step_does_within_the_win
         assert [r for _, r, _ in trail[20:]] == [settled] * 13, (role, trail[19:])
         trail = drive(role, replicas=2, bounds=(1, 20), rates=[base] * 20 + [burst] * 8)
         assert trail[22][1] > trail[19][1], (role, trail[19:23])  # the third high interval scales up
+
+
+def test_decode_is_sized_ahead_from_prefill_arrivals() -> None:
+    # Prefill admits the step an interval before decode's own tokens show it: decode sized from arrivals x
+    # the learned output length (100 tokens) through its ITL fit scales up an interval earlier.
+    rates = [15.0] * 20 + [60.0] * 8  # 15 req/s: 4 pods, under the target (20 sits on it)
+    late = drive("decode", replicas=2, bounds=(1, 40), rates=rates)
+    early = drive("decode", replicas=2, bounds=(1, 40), rates=rates, ahead=True)
+    assert late[19][1] == early[19][1], (late[18:20], early[18:20])
+    assert late[21][1] == late[19][1], late[19:22]
+    assert early[21][1] > early[19][1], early[19:22]
+    assert "sized ahead" in early[19][2] or "sized ahead" in early[21][2], early[19:22]
+    # At a steady load arrivals say what decode sees: no change either way once settled.
+    steady = drive("decode", replicas=2, bounds=(1, 40), rates=[15.0] * 40, ahead=True)
+    assert len({r for _, r, _ in steady[20:]}) == 1, steady[20:]
