@@ -259,12 +259,6 @@ def test_a_4x_step_raises_prefill_and_decode_and_ttft_comes_back_under_target(en
             assert not (shrunk and b > a), (env.timeline(step), env.decisions())
 
 
-# Still open (issue 13, docs/operations.md "Known limits"): the planner can size one pod too many on the step
-# (a one-lookback burst of arrivals, or the tokens of a draining backlog, with the one-interval up window), holds
-# it through the peak and hands it back as the load steps down, before this check's window (1 of 4 runs of
-# the final planner; the base and peak checks passed in all that reached them). Kept running, reported as
-# xfail/xpass.
-@pytest.mark.xfail(strict=False, reason="issue 13: a step's one-pod overshoot can be handed back at the step down")
 def test_a_step_down_scales_in_after_the_window_with_no_failure_and_no_lost_blocks(env: Env) -> None:
     peak = env.samples[-1]
     down = time.monotonic()
