@@ -109,7 +109,8 @@ class Autoscaler:
         timeout = min(MAX_SCRAPE_TIMEOUT, targets.interval_seconds / 2)
         assert self._session is not None
         decisions = []
-        for role in pdd_mod.ENGINE_ROLES:
+        arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
+        for role in pdd_mod.ENGINE_ROLES:  # prefill first
             selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
             pods = [p for p in await self.controller.client.list(POD, namespace=ns, label_selector=selector)
                     if pod_is_live(p)]
@@ -122,7 +123,10 @@ class Autoscaler:
             planner = self.planners.setdefault((ns, name, role.value), RolePlanner(role.value))
             current = pdd_mod.role_replicas(pdd, role)
             decision = planner.step(now=time.monotonic(), pods=names, samples=samples, current=current,
-                                    bounds=getattr(pdd.spec, role.value).bounds, targets=targets)
+                                    bounds=getattr(pdd.spec, role.value).bounds, targets=targets,
+                                    arrivals=arrivals if role is Role.DECODE else None)
+            if role is Role.PREFILL:
+                arrivals = decision.numbers.get("arrival_rate")
             self._export(ns, name, decision)
             logger.debug("planner namespace=%s name=%s role=%s current=%d desired=%d reason=%r", ns, name,
                          role.value, decision.current, decision.desired, decision.reason)

@@ -77,6 +77,7 @@ LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions
 THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throughput fades slowly (the engine may have changed)
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
+OUTPUT_DECAY = 0.8  # per interval with finished decode requests: the mean output length follows the workload
 SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the target without it (hysteresis)
 # The least utilisation prefill is planned at. Near (or past) the point where one request alone takes the
 # TTFT target, 1 - S/T goes to zero and the pod count to infinity, though no pod count brings the latency
@@ -343,8 +344,21 @@ class DecodeLearning:
     """
 
     points: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # Output tokens (ITL observations) and requests, faded per interval: their ratio is the mean output
+    # length that turns prefill's arrival rate into decode's coming tokens per second.
+    produced: float = 0.0
+    finished: float = 0.0
+
+    def tokens_per_request(self) -> float | None:
+        return self.produced / self.finished if self.finished >= 1.0 else None
 
     def observe(self, windows: Iterable[PodWindow]) -> None:
+        windows = list(windows)
+        produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
+        finished = sum(w.requests for w in windows if w.itl is not None and w.requests > 0)
+        if finished > 0:
+            self.produced = self.produced * OUTPUT_DECAY + produced
+            self.finished = self.finished * OUTPUT_DECAY + finished
         for w in windows:
             itl = w.itl.mean() if w.itl is not None else None
             if itl is not None and w.mean_running > 0:
@@ -460,10 +474,13 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
 
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
-                    margin: float = SCALE_IN_MARGIN) -> Estimate:
+                    margin: float = SCALE_IN_MARGIN, arrivals: float | None = None) -> Estimate:
     """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
 
     ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
+    ``arrivals``: the requests per second prefill admits now (its arrival rate). Decode serves them a prefill
+    later, so arrivals x the learned output tokens per request is decode's coming load: the role is sized for
+    the larger of that and what it produces now (without it decode waited for its own batch and latency).
     """
     settled = settled_seconds >= lookback_seconds
     if not windows:
@@ -489,6 +506,14 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
                                  "target_itl_s": target}
     if mean_itl is not None:
         numbers["itl_mean_s"] = mean_itl
+    per_request = learned.tokens_per_request()
+    ahead = False
+    if arrivals is not None and per_request is not None:
+        coming = arrivals * per_request
+        numbers["arrival_rate"], numbers["output_tokens"], numbers["coming_tokens_per_s"] = (
+            arrivals, per_request, coming)
+        if coming > tokens:
+            tokens, ahead = coming, True
     if in_flight <= 0 and tokens <= 0:
         return Estimate(0.0, "no decode requests in flight", numbers)
     missing = mean_itl is not None and mean_itl > target
@@ -505,6 +530,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         else:
             why = (f"{tokens:.3g} tokens/s and {queued:.3g} queued, at most {batch:.3g} per pod for ITL "
                    f"{target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
+        if ahead:
+            why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
         if missing and pods <= current and settled:
             pods = current + 1.0
             why += f"; but ITL {mean_itl:.3g}s is over target: one more"
@@ -562,7 +589,8 @@ class Decision:
 class Stabiliser:
     """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role).
 
-    Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step.
+    Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step;
+    the window is never shorter than the rates' lookback plus one interval (one burst interval is not demand).
     Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
     window), and the window is also measured from the role's last scale-up: the recommendations made
     while the added pods were still starting (or the load was still climbing) say little, and a step up
@@ -598,15 +626,21 @@ class Stabiliser:
             return current, "no recommendation"
         recommended = min(max(recommended, low), high)
         self.history.append((now, recommended))
-        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds)
+        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds,
+                   (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
         while self.history and self.history[0][0] < now - keep - targets.interval_seconds:
             self.history.popleft()
-        up_window = [r for t, r in self.history if t >= now - targets.scale_up_stabilization_seconds]
+        # Rates span LOOKBACK_INTERVALS intervals, so one burst interval lifts that many recommendations in a
+        # row: the up window covers one more (half an interval of slack for scrape jitter), or a lone burst
+        # would pass as sustained demand and add a pod that is held through the peak.
+        up_seconds = max(targets.scale_up_stabilization_seconds,
+                         (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
+        up_window = [r for t, r in self.history if t >= now - up_seconds]
         down_window = [r for t, r in self.history if t >= now - targets.scale_down_stabilization_seconds]
         up = min(up_window)
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
-            return desired, f"scale up: lowest recommendation over {targets.scale_up_stabilization_seconds:g}s is {up}"
+            return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
         down = max(down_window)
         if down < current:
             window = targets.scale_down_stabilization_seconds
@@ -644,8 +678,11 @@ class RolePlanner:
     sized_for: float | None = None  # the demand the last scale-up was sized for
 
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
-             bounds: tuple[int, int], targets: Targets) -> Decision:
-        """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them."""
+             bounds: tuple[int, int], targets: Targets, arrivals: float | None = None) -> Decision:
+        """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
+
+        ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second.
+        """
         pods = list(pods)
         windows: list[PodWindow] = []
         silent: list[str] = []
@@ -687,7 +724,7 @@ class RolePlanner:
             self.decode.observe(windows)
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
-                                  margin=targets.scale_in_margin)
+                                  margin=targets.scale_in_margin, arrivals=arrivals)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         numbers = dict(est.numbers)
         numbers["pods_reporting"] = float(len(windows))
