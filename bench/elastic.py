@@ -39,7 +39,6 @@ import logging
 import math
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -209,17 +208,12 @@ class Bench:
         return None
 
     def wait(self, what: str, probe: Callable[[], Any], *, timeout: float = 240.0) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = probe()
-                if last:
-                    return last
-            except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
-                last = exc
-            time.sleep(0.5)
-        raise SystemExit(f"bench elastic: timed out waiting for {what} (last={last!r}); logs in {self.workdir}")
+        from daybreak.testing import e2e
+
+        try:
+            return e2e.wait_for(what, probe, timeout=timeout, interval=0.5, diagnose=lambda: f"logs in {self.workdir}")
+        except e2e.WaitTimeout as exc:
+            raise SystemExit(f"bench elastic: {exc}") from None
 
     def sample(self, name: str, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -317,15 +311,6 @@ class Bench:
         return result
 
 
-def _agent_rbac() -> str:
-    from daybreak.devenv import tools
-
-    out = subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                          "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                         capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout
-
-
 def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -369,6 +354,7 @@ def _stop(signum: int, _frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from daybreak.devenv.cluster import ClusterSpec, LocalCluster
+    from daybreak.testing import e2e
     from daybreak.testing.operator_process import OperatorProcess
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -400,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster.start(timeout=300)
         cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-        cluster.kubectl("apply", "-f", "-", stdin=_agent_rbac())
+        cluster.kubectl("apply", "-f", "-", stdin=e2e.agent_rbac())
         cluster.kubectl("create", "namespace", NS)
         op = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=workdir / "operator.log", namespace=NS,
                              lease_namespace=NS, resync_seconds=30).start()

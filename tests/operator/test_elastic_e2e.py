@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,14 +24,13 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-import yaml
 
 from daybreak.devenv.cluster import LocalCluster
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "elastic-e2e"
 T = TypeVar("T")
 
@@ -55,17 +52,8 @@ LOAD_ARGS = ["--turns", "3", "--system-tokens", "128", "--user-tokens", "256", "
 
 
 def wait_for(what: str, probe: Callable[[], T | None], *, timeout: float = 120.0, env: Env | None = None) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-            last = exc
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{env.operator.log()[-4000:] if env else ''}")
+    return e2e.wait_for(what, probe, timeout=timeout, interval=0.5,
+                        diagnose=(lambda: env.operator.log()[-4000:]) if env else None)
 
 
 @dataclass
@@ -79,7 +67,7 @@ class Sample:
 
 @dataclass
 class Env:
-    cluster: LocalCluster
+    space: e2e.E2ENamespace
     api: httpx.Client
     operator: OperatorProcess
     workdir: Path
@@ -110,21 +98,15 @@ class Env:
             self.stop.wait(0.5)
 
     def router_url(self) -> str:
-        pods = self.get(f"/api/v1/namespaces/{NS}/pods?labelSelector=daybreak.dev/role=router")["items"]
-        ready = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                        for c in (p.get("status") or {}).get("conditions") or [])]
+        ready = self.space.ready_pods("daybreak.dev/role=router")
         return f"http://{ready[0]['status']['podIP']}:8000"
 
     def load(self, name: str, *, rate: float, seconds: float, seed: int) -> dict[str, Any]:
         """One `daybreak load` sessions run at ``rate`` requests/s for ``seconds``; returns its summary."""
-        out = self.workdir / f"{name}.json"
         sessions = max(4, int(rate * seconds / 3) + 4)
-        cmd = [sys.executable, "-m", "daybreak", "load", "--url", self.router_url(), "--sessions", str(sessions),
-               "--rate", str(rate), "--duration", str(seconds), "--seed", str(seed), "--request-timeout", "120",
-               "--json", str(out), "--quiet", *LOAD_ARGS]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
-        assert proc.returncode == 0, f"daybreak load failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-        return dict(json.loads(out.read_text()))
+        return e2e.run_load(self.router_url(), self.workdir / f"{name}.json",
+                            ["--sessions", str(sessions), "--rate", str(rate), "--duration", str(seconds),
+                             "--seed", str(seed), "--request-timeout", "120", *LOAD_ARGS], timeout=seconds + 180)
 
     def replicas_between(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.t <= end]
@@ -143,42 +125,23 @@ class Env:
                 if "reason=Autoscaled" in line]
 
     def engine_logs(self) -> str:
-        texts = []
-        pods_dir = self.cluster.directory / "pods"
-        for pod_dir in sorted(pods_dir.glob(f"{NS}_elastic-*")):
-            for log in sorted(pod_dir.glob("*.log")):
-                texts.append(f"--- {pod_dir.name}/{log.name}\n{log.read_text(errors='replace')}")
-        return "\n".join(texts)
-
-
-def _agent_rbac() -> str:
-    from daybreak.devenv import tools
-
-    out = subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                          "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                         capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout
+        return self.space.pod_logs("elastic-", tail=1 << 30)
 
 
 @pytest.fixture(scope="module")
 def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     workdir = tmp_path_factory.mktemp("elastic-e2e")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    rbac = _agent_rbac()
-    cluster.kubectl("apply", "-f", "-", stdin=rbac)
-    cluster.kubectl("create", "namespace", NS)
-    api = cluster.api()
+    space = e2e.E2ENamespace(cluster, NS).open()
     op = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=workdir / "operator.log", namespace=NS,
                          lease_namespace=NS, resync_seconds=30).start()
-    e = Env(cluster, api, op, workdir)
+    e = Env(space, space.client, op, workdir)
     watcher = threading.Thread(target=e.watch, daemon=True)
     try:
-        cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
+        space.apply({
             "apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool", "metadata": {"name": "pool"},
             "spec": {"nodeSelector": {"daybreak.dev/accelerator": "sunrise"},
-                     "tiers": {"dram": {"bytesPerNode": "256Mi"}}, "transport": {"preference": ["tcp"]}}}))
-        cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
-            "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "elastic"},
+                     "tiers": {"dram": {"bytesPerNode": "256Mi"}}, "transport": {"preference": ["tcp"]}}},
+            {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "elastic"},
             "spec": {
                 "poolRef": {"name": "pool"},
                 # A small layout (1 KiB blocks) so the KV bytes moved stay cheap on 2 cores.
@@ -191,7 +154,7 @@ def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 "autoscaling": {"enabled": True, "ttftSeconds": TTFT_TARGET, "itlSeconds": ITL_TARGET,
                                 "intervalSeconds": INTERVAL, "scaleUpStabilizationSeconds": UP_WINDOW,
                                 "scaleDownStabilizationSeconds": DOWN_WINDOW},
-            }}))
+            }})
         wait_for("the router and one engine per role ready", lambda: e.router_url() and all(
             int((e.deployment(r).get("status") or {}).get("readyReplicas") or 0) >= 1
             for r in ("prefill", "decode")), env=e, timeout=180)
@@ -200,9 +163,7 @@ def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     finally:
         e.stop.set()
         op.stop()
-        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", stdin=rbac, check=False)
-        api.close()
+        space.close()
 
 
 @dataclass
