@@ -162,7 +162,15 @@ def test_planner_scales_decode_up_then_in_with_status_events_metrics_and_deletio
             return int(api.get(path("deploy", "auto-decode")).json()["spec"]["replicas"])
 
         wait_for("decode scaled up", lambda: decode_replicas() > 2, op=op)
-        body = api.get(path("pdd", "auto")).json()
+        def recorded() -> dict[str, Any] | None:
+            b = api.get(path("pdd", "auto")).json()
+            status = b.get("status") or {}
+            done = (status.get("lastScale") or {}).get("role") == "decode" and \
+                status["decode"]["desiredReplicas"] == decode_replicas()
+            return dict(b) if done else None
+
+        # The status write follows the Deployment's: wait for the decision to be recorded too.
+        body = wait_for("the scale-up in status.lastScale", recorded, op=op)
         last = body["status"]["lastScale"]
         assert last["role"] == "decode" and last["to"] > last["from"] == 2, last
         assert "tokens_per_s" in last["numbers"] and last["reason"]
