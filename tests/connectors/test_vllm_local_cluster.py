@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ import pytest
 import yaml
 
 from daybreak.client.discovery import endpoints_from_pool
-from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
@@ -114,12 +112,6 @@ class VllmDeployment:
         return "\n".join(lines)
 
 
-def _agent_rbac() -> str:
-    return subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                           "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout
-
-
 def _time(iso: str) -> datetime:
     return datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")
 
@@ -139,11 +131,8 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeployment]:
     assert cluster.kubelet is not None, "vLLM pods need the process kubelet"
     logs = tmp_path_factory.mktemp("vllm-local-cluster")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    rbac = _agent_rbac()
-    cluster.kubectl("apply", "-f", "-", stdin=rbac)
-    cluster.kubectl("create", "namespace", NS)
-    api = cluster.api()
+    space = e2e.E2ENamespace(cluster, NS).open()
+    api = space.client
     operator = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=logs / "operator.log", namespace=NS,
                                identity="vllm-e2e", lease_namespace=NS, resync_seconds=5.0)
     env = VllmDeployment(cluster, api, operator, tiny_model, {}, [])
@@ -179,15 +168,8 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
         yield env
     finally:
         operator.stop()
-        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
         # A KVNode is per node, not per pool: ours must go before later tests run pools on the same nodes.
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and api.get(f"/api/v1/namespaces/{NS}/pods").json().get("items"):
-            time.sleep(0.5)
-        for node in ("daybreak-node-0", "daybreak-node-1"):
-            api.delete(f"/apis/daybreak.dev/v1alpha1/kvnodes/{node}")
-        cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", stdin=rbac, check=False)
-        api.close()
+        space.close(wait_seconds=180)
         (logs / "figures.json").write_text(json.dumps(env.figures, indent=2))
         print(f"vllm-local-cluster figures: {json.dumps(env.figures)}")
 

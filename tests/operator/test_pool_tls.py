@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import base64
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,12 +17,12 @@ from daybreak.agent.settings import AgentSettings
 from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.client import POOL_TLS_CA_ENV, KVPoolClient, KVPoolError, pool_tls_ca_file
-from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
 from daybreak.pool.tls import TlsSettingsError
 from daybreak.serving import sim
+from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,17 +184,7 @@ E2E_PDD = "sim-tls"
 
 def _wait(what: str, probe: Callable[[], T | None], *, timeout: float = 240.0,
           on_fail: Callable[[], str] | None = None) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-            last = exc
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}; last={last!r}\n{on_fail() if on_fail else ''}")
+    return e2e.wait_for(what, probe, timeout=timeout, interval=0.5, diagnose=on_fail)
 
 
 def _openssl(*args: str) -> None:
@@ -214,12 +203,6 @@ def _issue(directory: Path, *, ips: list[str], dns: list[str]) -> dict[str, Path
     _openssl("x509", "-req", "-in", str(files["tls.csr"]), "-CA", str(files["ca.crt"]), "-CAkey", str(files["ca.key"]),
              "-CAcreateserial", "-days", "1", "-extfile", str(files["san.ext"]), "-out", str(files["tls.crt"]))
     return files
-
-
-def _helm_agent_rbac() -> str:
-    return subprocess.run([str(tools.find("helm")), "template", "t", str(ROOT / "charts" / "daybreak"),
-                           "--kube-version", "1.37.2", "--show-only", "templates/agent-rbac.yaml"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout
 
 
 class TlsPool:
@@ -255,11 +238,8 @@ class TlsPool:
 def tls_pool(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsPool]:
     assert cluster.kubelet is not None, "agents and engines must really run: the process kubelet"
     directory = tmp_path_factory.mktemp("pool-tls")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    rbac = _helm_agent_rbac()
-    cluster.kubectl("apply", "-f", "-", stdin=rbac)
-    cluster.kubectl("create", "namespace", E2E_NS)
-    api = cluster.api()
+    space = e2e.E2ENamespace(cluster, E2E_NS).open()
+    api = space.client
     nodes = api.get("/api/v1/nodes", params={"labelSelector": "daybreak.dev/accelerator=sunrise"}).json()["items"]
     # Agents run on the host network: clients and peers dial the nodes' addresses, so the certificate names them.
     ips = sorted({a["address"] for n in nodes for a in n["status"].get("addresses") or []
@@ -291,15 +271,8 @@ def tls_pool(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) ->
         yield env
     finally:
         operator.stop()
-        cluster.kubectl("delete", "namespace", E2E_NS, "--wait=false", check=False)
         # KVNodes are per node, not per pool: ours must be gone before later tests run pools on these nodes.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and api.get(f"/api/v1/namespaces/{E2E_NS}/pods").json().get("items"):
-            time.sleep(0.5)
-        for node in nodes:
-            api.delete(f"/apis/daybreak.dev/v1alpha1/kvnodes/{node['metadata']['name']}")
-        cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", stdin=rbac, check=False)
-        api.close()
+        space.close(nodes=[n["metadata"]["name"] for n in nodes])
 
 
 @pytest.mark.e2e
