@@ -276,8 +276,9 @@ def _error(status: int, message: str, *, kind: str = "invalid_request_error", pa
 def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """One ``usage`` for the client: the decode step's counts, ``daybreak.*`` summed over both steps.
 
-    ``cached_tokens = prompt_tokens - computed`` (prefill's plus decode's computed tokens), so a token
-    either step had to compute is never reported as cached. Engines without the ``daybreak`` extension
+    ``cached_tokens = prompt_tokens - computed``, where ``computed`` is the longer of the two steps'
+    computed suffixes (the tokens either step computed; decode's recomputed tail lies inside prefill's),
+    so a token either step had to compute is never reported as cached, and none is counted twice. Engines without the ``daybreak`` extension
     (vLLM) pass their own ``cached_tokens`` through.
     """
     if decode is None:
@@ -291,7 +292,10 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
     out["daybreak"] = summed
     prompt_tokens = int(decode.get("prompt_tokens") or 0)
     details = dict(decode.get("prompt_tokens_details") or {})
-    details["cached_tokens"] = max(prompt_tokens - summed["computed_tokens"], 0)
+    # Each step computes a suffix of the prompt (what its cache did not hold), so the tokens either step
+    # computed are the longer suffix: decode's recomputed partial tail block is inside prefill's.
+    computed = max(int(e.get("computed_tokens") or 0) for e in extensions)
+    details["cached_tokens"] = max(prompt_tokens - computed, 0)
     out["prompt_tokens_details"] = details
     return out
 

@@ -91,7 +91,10 @@ def test_usage_cached_tokens_count_what_neither_step_computed() -> None:
     usage = combine_usage(prefill, decode)
     assert usage is not None
     assert usage["completion_tokens"] == 7
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 100 - 44
+    # Prefill computed positions 60-99, decode 96-99 (the partial tail block the pool cannot hold):
+    # 40 computed in all, 60 cached (not 100 - 44: the tail is not computed twice over).
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 60
+    assert usage["daybreak"]["computed_tokens"] == 44  # the work both steps did
     assert usage["daybreak"]["bytes_read"] == 8202 and usage["daybreak"]["bytes_written"] == 4096
     assert usage["daybreak"]["pool_hit_tokens"] == 144
     # Prefill skipped: decode's own count stands.

@@ -243,9 +243,9 @@ def test_load_summary_hit_rate_agrees_with_the_engines_metrics(stack: Stack, tmp
                                  'source="computed"}') for t in texts)
     prompt = sum(metric_sum(t, "vllm:prompt_tokens_total") for t in texts[1:])  # each request: one decode
     assert prompt == summary["prompt_tokens"]
-    # The engines count every computed token; the usage the router reports clamps cached_tokens at 0 for a
-    # prompt computed whole by prefill whose partial tail decode computed again, so the two differ by at
-    # most that tail (under a block) per request.
+    # The engines count every computed token, decode's recomputed partial tail too; the usage the router
+    # reports counts a token computed by both steps once, so the two differ by at most that tail (under a
+    # block) per request.
     engines_rate = 1 - computed / prompt
     assert engines_rate <= summary["hit_rate"] <= engines_rate + summary["requests"] * BLOCK_TOKENS / prompt
     # Turns after the first reuse the shared system prompt and their history.

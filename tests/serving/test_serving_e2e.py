@@ -213,8 +213,11 @@ def test_load_through_the_router_succeeds_and_the_engines_agree_on_the_hit_rate(
     # router summed into each response and the load generator added up (so the hit rates agree).
     computed = delta(after, before, 'daybreak_engine_prompt_tokens_by_source_total{source="computed"}')
     assert computed == summary["computed_tokens"], (computed, summary)
+    # The engines count decode's recomputed partial tail block as computed again; the usage counts a token
+    # both steps computed once: the hit rates differ by at most that tail (under a block) per request.
     engine_hit_rate = 1 - computed / summary["prompt_tokens"]
-    assert abs(engine_hit_rate - summary["hit_rate"]) < 0.01, (engine_hit_rate, summary["hit_rate"])
+    tails = summary["requests"] * BLOCK_TOKENS / summary["prompt_tokens"]
+    assert engine_hit_rate <= summary["hit_rate"] <= engine_hit_rate + tails, (engine_hit_rate, summary["hit_rate"])
     assert delta(after, before, 'daybreak_engine_kv_bytes_total{direction="read"}') == summary["bytes_read"]
     assert delta(after, before, 'daybreak_engine_kv_bytes_total{direction="written"}') == summary["bytes_written"]
     pool_tokens = delta(after, before, 'daybreak_engine_prompt_tokens_by_source_total{source="pool"}')
