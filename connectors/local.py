@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,8 @@ class VllmServer:
     kv_cache_bytes: int = 256 << 20
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
+    ipc_dir: Path | None = None
+    """vLLM's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``): a private dir removed at stop, not /tmp itself."""
 
     @property
     def url(self) -> str:
@@ -77,6 +81,9 @@ class VllmServer:
                "PYTHONSAFEPATH": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only, and it would win over --kv-cache-memory-bytes
         env.pop("PYTHONHASHSEED", None)  # vLLM's sha256 block hashes are stable across processes only without it
+        # vLLM leaves a socket file per engine in its RPC base path (default /tmp) when it exits.
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="vllm-ipc-"))
+        env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -121,6 +128,9 @@ class VllmServer:
             if not _group_alive(self.proc.pid):
                 break
         self.proc.poll()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
