@@ -8,6 +8,7 @@ package from a bare checkout on a machine where nothing is installed.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -60,6 +61,7 @@ def import_source_tree(root: Path) -> Path:
     unpacked wheels are also put on ``PYTHONPATH``, so a child process (an agent) imports the same.
     """
     tree = build(Path(tempfile.mkdtemp(prefix="daybreak-src-")))
+    atexit.register(shutil.rmtree, tree, ignore_errors=True)  # the check's children exit before it does
     paths = [str(tree)]
     sys.path.insert(0, str(tree))
     wheels = sorted((root / ".whl").glob("*.whl")) if (root / ".whl").is_dir() else []
