@@ -7,9 +7,18 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # What the lent GPU machine lacks: the GPU check scripts must run without them.
 GPU_MACHINE_ABSENT = ("pydantic", "kopf", "kubernetes", "kubernetes_asyncio")
+
+
+def crds_and_namespace(kube: Any, namespace: str) -> None:
+    """The CRDs applied and Established, and ``namespace`` there (created once per cluster)."""
+    kube.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+    if kube.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+        kube.kubectl("create", "namespace", namespace)
 
 
 def layout(sizes: Sequence[int], *, gap: int = 4096) -> list[tuple[int, int]]:
@@ -21,7 +30,8 @@ def layout(sizes: Sequence[int], *, gap: int = 4096) -> list[tuple[int, int]]:
     return out
 
 
-def run_without_gpu_machine_deps(script: Path, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_without_gpu_machine_deps(script: Path, *args: str, env: dict[str, str] | None = None
+                                 ) -> subprocess.CompletedProcess[str]:
     """Run a ``hack/`` script as on the GPU machine: a fresh interpreter where the heavy modules fail to import."""
     wrapper = textwrap.dedent(f"""
         import runpy, sys
@@ -30,7 +40,7 @@ def run_without_gpu_machine_deps(script: Path, *, env: dict[str, str] | None = N
                 if name.split('.')[0] in {GPU_MACHINE_ABSENT!r}:
                     raise ImportError('not on the GPU machine: ' + name)
         sys.meta_path.insert(0, Block())
-        sys.argv = [{script.name!r}]
+        sys.argv = [{script.name!r}, *{list(args)!r}]
         runpy.run_path({str(script)!r}, run_name='__main__')
     """)
     return subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120, cwd="/",

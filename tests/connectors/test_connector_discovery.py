@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import crds_and_namespace
 
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.client import discovery
@@ -28,7 +29,6 @@ from daybreak.connectors.blocks import ConnectorConfigError, PoolSettings
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.operator import deployment as pdd_mod
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "connector-discovery"
 PDD = "tiny"
 POOL = "kv-seen"  # the pool the PDDeployment refers to
@@ -57,10 +57,7 @@ def publish(api: httpx.Client, name: str, endpoints: list[tuple[str, int]]) -> N
 
 @pytest.fixture(scope="module")
 def api(kube: LocalCluster) -> Iterator[httpx.Client]:
-    kube.kubectl("apply", "-f", str(ROOT / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    if kube.kubectl("get", "namespace", NS, check=False).returncode != 0:
-        kube.kubectl("create", "namespace", NS)
+    crds_and_namespace(kube, NS)
     with kube.api() as client:
         yield client
 

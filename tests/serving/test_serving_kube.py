@@ -11,22 +11,19 @@ from typing import Any
 
 import httpx
 import pytest
+from support import crds_and_namespace
 
 from daybreak.client import discovery
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.serving import kube as skube
 from daybreak.testing.serving_stack import Stack, metric_sum
 
-ROOT = Path(__file__).resolve().parents[2]
 NS = "serving-kube"
 
 
 @pytest.fixture(scope="module")
 def api(kube: LocalCluster) -> Iterator[httpx.Client]:
-    kube.kubectl("apply", "-f", str(ROOT / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    if kube.kubectl("get", "namespace", NS, check=False).returncode != 0:
-        kube.kubectl("create", "namespace", NS)
+    crds_and_namespace(kube, NS)
     with kube.api() as client:
         # envtest has no controller-manager to create it; pods need their ServiceAccount.
         client.post(f"/api/v1/namespaces/{NS}/serviceaccounts", json={"metadata": {"name": "default"}})

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
-import textwrap
 import zipfile
 from pathlib import Path
 
 import pytest
-from support import GPU_MACHINE_ABSENT
+from support import run_without_gpu_machine_deps
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = ["gpu_check_agent.py", "gpu_check_store.py", "gpu_check_datapath.py", "linktree.py"]
@@ -24,17 +22,7 @@ SCRIPTS = ["gpu_check_agent.py", "gpu_check_store.py", "gpu_check_datapath.py", 
 
 def run_blocked(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``script args`` in this venv's interpreter with the GPU machine's absent modules failing to import."""
-    wrapper = textwrap.dedent(f"""
-        import runpy, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in {GPU_MACHINE_ABSENT!r}:
-                    raise ImportError('not on the GPU machine: ' + name)
-        sys.meta_path.insert(0, Block())
-        sys.argv = [{script!r}, *{list(args)!r}]
-        runpy.run_path({str(ROOT / "hack" / script)!r}, run_name='__main__')
-    """)
-    return subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120, cwd="/")
+    return run_without_gpu_machine_deps(ROOT / "hack" / script, *args)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
