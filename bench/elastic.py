@@ -168,6 +168,23 @@ def model_replicas(rate: float, *, ttft: float, itl: float) -> tuple[int, int]:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
+def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test."""
+    return {
+        "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
+        "spec": {
+            "poolRef": {"name": "pool"},
+            # A small layout (1 KiB blocks) so the KV bytes moved stay cheap on 2 cores.
+            "model": {"name": "sim-model", "revision": "r1",
+                      "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
+                                   "blockTokens": 16}},
+            "engine": {"kind": "sim", "args": ENGINE_ARGS},
+            "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
+            "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
+            "autoscaling": autoscaling,
+        }}
+
+
 @dataclass
 class Sample:
     t: float
@@ -225,20 +242,10 @@ class Bench:
 
     def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int]) -> None:
         a = self.args
-        self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
-            "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
-            "spec": {
-                "poolRef": {"name": "pool"},
-                "model": {"name": "sim-model", "revision": "r1",
-                          "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
-                                       "blockTokens": 16}},
-                "engine": {"kind": "sim", "args": ENGINE_ARGS},
-                "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
-                "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
-                "autoscaling": {"enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl,
-                                "intervalSeconds": a.interval, "scaleUpStabilizationSeconds": a.up_window,
-                                "scaleDownStabilizationSeconds": a.down_window},
-            }}))
+        self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
+            name, replicas=replicas, autoscaling={
+                "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
+                "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window})))
 
     def load(self, url: str, records: list[RequestRecord]) -> dict[str, Any]:
         from daybreak.serving.load import add_arguments as load_arguments
