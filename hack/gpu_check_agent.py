@@ -17,13 +17,10 @@ Exit status: 0 all checks passed, 1 a check failed, 2 no usable NVIDIA GPU.
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -67,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"python": sys.version.split()[0]}
     started = time.monotonic()
 
-    tree = linktree.build(Path(tempfile.mkdtemp(prefix="daybreak-linktree-")))
-    atexit.register(shutil.rmtree, tree, True)
-    sys.path.insert(0, str(tree))
+    tree = linktree.import_source_tree(REPO)
     from daybreak.agent.registration import Registrar
     from daybreak.agent.runtime import RuntimeCallError, RuntimeUnavailable, Unsupported
     from daybreak.agent.runtime.nvidia import NvidiaRuntime, describe

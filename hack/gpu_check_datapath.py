@@ -32,15 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _import_tree(*, needs: list[str]) -> None:
-    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks).
-
-    Exits 3 with what to do when a module in ``needs`` is neither installed nor in ``.whl/``.
-    """
+    """Make ``daybreak.*`` importable from the source folders; exit 3 naming what ``needs`` lacks (``hack/linktree.py``)."""
     sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
     import linktree
 
-    linktree.import_source_tree(ROOT)
-    linktree.require("gpu_check_datapath", needs)
+    linktree.prepare(ROOT, "gpu_check_datapath", needs)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

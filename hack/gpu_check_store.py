@@ -34,15 +34,11 @@ BATCH = 16
 
 
 def _import_tree(*, needs: list[str]) -> None:
-    """Make ``daybreak.*`` importable from the source folders (``hack/linktree.py``, shared by the GPU checks).
-
-    Exits 3 with what to do when a module in ``needs`` is neither installed nor in ``.whl/``.
-    """
+    """Make ``daybreak.*`` importable from the source folders; exit 3 naming what ``needs`` lacks (``hack/linktree.py``)."""
     sys.path.insert(0, str(ROOT / "hack"))  # linktree.py, also with PYTHONSAFEPATH set
     import linktree
 
-    linktree.import_source_tree(ROOT)
-    linktree.require("gpu_check_store", needs)
+    linktree.prepare(ROOT, "gpu_check_store", needs)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

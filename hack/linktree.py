@@ -83,6 +83,12 @@ def import_source_tree(root: Path) -> Path:
     return tree
 
 
+def prepare(root: Path, script: str, needs: list[str]) -> None:
+    """What a GPU check does first: ``import_source_tree``, then ``require`` what it needs beyond that."""
+    import_source_tree(root)
+    require(script, needs)
+
+
 def require(script: str, modules: list[str]) -> None:
     """Exit with ``MISSING_EXIT`` and what to do when any of ``modules`` cannot be imported (never a traceback)."""
     missing = [m for m in modules if not _importable(m)]
