@@ -110,6 +110,7 @@ class Autoscaler:
         assert self._session is not None
         decisions = []
         arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
+        prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
         for role in pdd_mod.ENGINE_ROLES:  # prefill first
             selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
             pods = [p for p in await self.controller.client.list(POD, namespace=ns, label_selector=selector)
@@ -124,9 +125,11 @@ class Autoscaler:
             current = pdd_mod.role_replicas(pdd, role)
             decision = planner.step(now=time.monotonic(), pods=names, samples=samples, current=current,
                                     bounds=getattr(pdd.spec, role.value).bounds, targets=targets,
-                                    arrivals=arrivals if role is Role.DECODE else None)
+                                    arrivals=arrivals if role is Role.DECODE else None,
+                                    prefilling=prefilling if role is Role.DECODE else 0.0)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
+                prefilling = decision.numbers.get("in_flight_now", 0.0)
             self._export(ns, name, decision)
             logger.debug("planner namespace=%s name=%s role=%s current=%d desired=%d reason=%r", ns, name,
                          role.value, decision.current, decision.desired, decision.reason)

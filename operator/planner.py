@@ -15,8 +15,16 @@ and vLLM:
   target T allows utilisation 1 - S/T.
 - decode is sized for inter-token latency: ITL grows with the batch
   (ITL = a + c x batch, fitted over the recent (batch, ITL) points of every
-  pod); the largest batch within the target is (T - a) / c, and the
-  concurrency in flight (running + waiting) divided by it is the pods needed.
+  pod, both taken from the ITL histogram: see ``batch_point``); the largest
+  batch within the target is (T - a) / c, and the concurrency at the target
+  (tokens/s x T, Little's law, plus the queue) divided by it is the pods needed.
+
+Rates need a lookback to be more than Poisson noise; the work the pods hold at
+the last scrape (requests running + waiting) needs none. So besides the rate,
+a backlog that the pods there are cannot clear within the target (prefill: the
+next request would start too late; decode: the sequences held need more batch
+slots) asks for one pod more through a short window (``backlog_step``): a step
+shows in the requests held an interval or two before the rates have seen it.
 
 Before a pod's throughput is learned, or the ITL line can be fitted, the
 planner falls back to the latency ratio (observed / target) so it still scales
@@ -32,7 +40,7 @@ Scale-in has hysteresis: the estimate carries a hold, the pods needed for
 it (and never while the latency misses), so the pod taken away is not wanted
 back next interval. The stabiliser then turns the recommendation into
 replicas: a relative dead band, the lowest recommendation of the scale-up
-window (a spike must last), the highest of the scale-down window measured
+window (a spike must last; the backlog's pod needs two scrapes), the highest of the scale-down window measured
 also from the role's last scale-up (the load must stay low the whole window,
 the planner must have watched that long, and the last pod added must have
 shown what it does), a maximum step each way and the role's bounds. A pod
@@ -74,6 +82,8 @@ LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
 BUSY_RUNNING = 0.5  # mean running requests from which Little's law is trusted for a prefill pod's throughput
 MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loose the target
 LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions are still made every interval)
+# ... and over no less than this: at a few requests per second a shorter window's rate is mostly Poisson noise.
+MIN_LOOKBACK_SECONDS = 6.0
 THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throughput fades slowly (the engine may have changed)
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
@@ -224,6 +234,7 @@ class PodWindow:
     waiting_growth: float  # queued requests at the end minus at the start (demand the pod could not serve)
     ttft: Histogram | None
     itl: Histogram | None
+    in_flight_now: float = 0.0  # running + waiting at the newer sample: the work the pod holds right now
 
 
 def window(older: PodSample, newer: PodSample) -> PodWindow | None:
@@ -257,6 +268,7 @@ def window(older: PodSample, newer: PodSample) -> PodWindow | None:
         pod=newer.pod, seconds=dt, requests=requests, uncached_tokens=uncached,
         mean_running=(older.running + newer.running) / 2, mean_waiting=(older.waiting + newer.waiting) / 2,
         running_change=newer.running - older.running, waiting_growth=newer.waiting - older.waiting, ttft=ttft, itl=itl,
+        in_flight_now=newer.running + newer.waiting,
     )
 
 
@@ -276,6 +288,11 @@ class Targets:
     scale_in_margin: float = SCALE_IN_MARGIN
 
 
+def lookback_seconds(targets: Targets) -> float:
+    """How far back rates are measured: LOOKBACK_INTERVALS intervals, and never under MIN_LOOKBACK_SECONDS."""
+    return max(LOOKBACK_INTERVALS * targets.interval_seconds, MIN_LOOKBACK_SECONDS)
+
+
 @dataclass(frozen=True)
 class Estimate:
     """The model's answer for one role: pods needed (a real number), why, and the numbers behind it.
@@ -292,6 +309,10 @@ class Estimate:
     missed: bool = False  # the latency missed the target with all ``current`` pods serving (settled)
     settled: bool = False  # the latency seen is that of ``current`` pods
     demand: float | None = None  # the load the estimate sized for (requests/s or tokens/s + queued)
+    # Pods the work held right now asks for (one more than ``current``), not a rate: the stabiliser takes it
+    # through the configured up window alone (the rates' longer window filters the echo of a Poisson burst;
+    # a backlog is no echo, it is requests already waiting). None: the backlog fits the pods there are.
+    urgent: int | None = None
 
 
 @dataclass
@@ -360,11 +381,11 @@ class DecodeLearning:
             self.produced = self.produced * OUTPUT_DECAY + produced
             self.finished = self.finished * OUTPUT_DECAY + finished
         for w in windows:
-            itl = w.itl.mean() if w.itl is not None else None
-            if itl is not None and w.mean_running > 0:
-                bucket = round(w.mean_running)
+            point = batch_point(w)
+            if point is not None:
+                bucket = round(point[0])
                 self.points.pop(bucket, None)
-                self.points[bucket] = (w.mean_running, itl)
+                self.points[bucket] = point
                 while len(self.points) > FIT_POINTS:
                     self.points.pop(next(iter(self.points)))
 
@@ -384,6 +405,26 @@ class DecodeLearning:
         return max(0.0, my - c * mx), c
 
 
+def batch_point(w: PodWindow) -> tuple[float, float] | None:
+    """(mean decode batch, mean ITL) of one window, both from the ITL histogram (Little's law).
+
+    The sum of the inter-token gaps observed in a window is the sequence-seconds spent decoding, so over the
+    window's length it is the mean number of sequences decoding; its mean is the ITL those sequences saw.
+    Both describe the same tokens. The running gauge (two instants at the window's ends, and counting
+    sequences still loading KV) does not: its noise flattened the fitted slope (a fit of 7 ms per sequence
+    against the cost model's 12 ms said one pod could batch eight, and decode scaled late).
+
+    A window in which the batch moved (a scale step, a burst ending) is no point: its token-weighted ITL
+    belongs to no one batch (a window draining from 64 to 7 put ITL 61 ms at batch 18, 45 ms on the line).
+    """
+    if w.itl is None or w.itl.count <= 0 or w.itl.sum <= 0:
+        return None
+    batch = w.itl.sum / w.seconds
+    if abs(w.running_change) > max(1.0, 0.5 * batch):
+        return None
+    return batch, w.itl.sum / w.itl.count
+
+
 def _latency(windows: list[PodWindow], pick: str) -> Histogram | None:
     return merge_histograms(h for w in windows if (h := getattr(w, pick)) is not None)
 
@@ -396,15 +437,33 @@ def prefill_pods(*, rate: float, uncached: float, throughput: float, target: flo
     return rate * uncached / (throughput * utilisation), utilisation, reachable
 
 
+def backlog_step(backlog: float, *, current: int, tolerance: float) -> int | None:
+    """``current + 1`` when the work held now needs more than ``current`` pods (outside the dead band), else None.
+
+    A backlog says the pods are short now, not by how much for long: it also holds what queued while they
+    were short, which the pods drain once there are enough (sized on it, a 10x overload asked for 5 pods
+    where 3 serve the rate, then gave two back in the peak). So one pod now, through the short window; the
+    rates, once their lookback has seen the load, ask for the rest through theirs.
+    """
+    if round_with_tolerance(backlog, current=current, tolerance=tolerance) > current:
+        return current + 1
+    return None
+
+
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
                      settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
-                     margin: float = SCALE_IN_MARGIN) -> Estimate:
+                     margin: float = SCALE_IN_MARGIN, tolerance: float = 0.1) -> Estimate:
     """Prefill pods needed to keep TTFT under ``target`` at the observed arrival rate and uncached prompt length.
 
     ``settled_seconds``: how long every pod asked for has been reporting. The latency seen is that of
     ``current`` pods only once that covers the lookback plus the TTFT itself (a request finishing now
     queued for its whole TTFT, maybe before the last pod served): only then may a latency that misses
     add a pod the model did not ask for.
+
+    Besides the rate, the work held now bounds the pods from below: ``L`` requests in flight are about
+    ``L x S`` seconds of prefill, and a request arriving now starts within ``target - S`` only if the pods
+    clear that work first, so pods >= L x S / (target - S). The rate needs a lookback to be more than noise;
+    the requests in flight are counted at the last scrape, so a step shows within an interval (urgent).
     """
     if not windows:
         return Estimate(None, "no prefill pod has reported metrics yet", {})
@@ -414,9 +473,10 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     requests = sum(w.requests for w in windows)
     hist = _latency(windows, "ttft")
     p90 = hist.quantile(0.9) if hist else None
+    held = sum(w.in_flight_now for w in windows)
     numbers: dict[str, float] = {"arrival_rate": rate, "target_ttft_s": target,
                                  "queued": sum(w.mean_waiting for w in windows),
-                                 "running": sum(w.mean_running for w in windows)}
+                                 "running": sum(w.mean_running for w in windows), "in_flight_now": held}
     if p90 is not None:
         numbers["ttft_p90_s"] = p90
     uncached = uncached_total / requests if requests > 0 else None
@@ -442,6 +502,14 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         else:
             why = (f"one request alone needs {alone:.3g}s of prefill, over the {target:g}s TTFT target: "
                    f"{rate:.3g} req/s sized at utilisation {utilisation:.2f}")
+        urgent: int | None = None
+        if reachable:
+            backlog = held * alone / (target - alone)
+            numbers["backlog_pods"] = backlog
+            urgent = backlog_step(backlog, current=current, tolerance=tolerance)
+            if urgent is not None:
+                why += f"; {held:.0f} in flight now: {backlog:.3g} pods start the next within TTFT"
+            hold = max(hold, min(backlog, current + 1.0))
         floor = hist.quantile_floor(0.9) if hist else None
         if floor is not None and floor >= target and pods <= current and settled:
             # The model thinks the pods suffice but the latency certainly misses (the whole p90 bucket is over
@@ -451,7 +519,8 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         if missing:
             hold = max(hold, float(current))  # never shrink while the latency misses
         numbers["pods"], numbers["hold"] = pods, hold
-        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled, demand=rate)
+        return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled, demand=rate,
+                        urgent=urgent)
     # Throughput not learned yet (no pod has had a queue): only the latency can say more pods are needed.
     if missing and p90 is not None and settled:
         pods = len(windows) * p90 / target
@@ -474,13 +543,18 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
 
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
-                    margin: float = SCALE_IN_MARGIN, arrivals: float | None = None) -> Estimate:
+                    margin: float = SCALE_IN_MARGIN, arrivals: float | None = None,
+                    prefilling: float = 0.0, tolerance: float = 0.1) -> Estimate:
     """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
 
     ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
     ``arrivals``: the requests per second prefill admits now (its arrival rate). Decode serves them a prefill
     later, so arrivals x the learned output tokens per request is decode's coming load: the role is sized for
     the larger of that and what it produces now (without it decode waited for its own batch and latency).
+    As for prefill, the sequences held now bound the pods from below (each needs a slot in a batch within the
+    target), counted at the last scrape: urgent when that alone asks for more pods. ``prefilling``: the
+    requests prefill holds now, each a decode sequence one prefill from now (decode's own count showed a
+    burst only once prefill had passed it on, two to four seconds late).
     """
     settled = settled_seconds >= lookback_seconds
     if not windows:
@@ -532,6 +606,14 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
                    f"{target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
         if ahead:
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
+        held = sum(w.in_flight_now for w in windows) + prefilling
+        slots = held / batch
+        numbers["in_flight_now"], numbers["backlog_pods"] = held, slots
+        urgent = backlog_step(slots, current=current, tolerance=tolerance)
+        if urgent is not None:
+            why += (f"; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill): {slots:.3g} pods of "
+                    f"{batch:.3g}")
+        hold = max(hold, min(slots, current + 1.0))
         if missing and pods <= current and settled:
             pods = current + 1.0
             why += f"; but ITL {mean_itl:.3g}s is over target: one more"
@@ -539,7 +621,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
             hold = max(hold, float(current))
         numbers["pods"], numbers["hold"] = pods, hold
         return Estimate(pods, why, numbers, hold=hold, missed=missing and settled, settled=settled,
-                        demand=tokens + queued)
+                        demand=tokens + queued, urgent=urgent)
     if missing and mean_itl is not None and settled:
         # No slope yet: ITL taken as proportional to the batch (a = 0); only ever used to scale up, and only
         # once the pods asked for all serve (their latency is not known before).
@@ -590,7 +672,9 @@ class Stabiliser:
     """Recommendations over time -> replicas: windows, steps and bounds (HPA's behaviour, per role).
 
     Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step;
-    the window is never shorter than the rates' lookback plus one interval (one burst interval is not demand).
+    the window is never shorter than the rates' lookback plus half an interval (one burst interval is not
+    demand). The pod a backlog asks for (``Estimate.urgent``: the work held, not a rate) needs only the
+    configured window, and at least two scrapes.
     Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
     window), and the window is also measured from the role's last scale-up: the recommendations made
     while the added pods were still starting (or the load was still climbing) say little, and a step up
@@ -599,15 +683,16 @@ class Stabiliser:
     """
 
     def __init__(self) -> None:
-        self.history: deque[tuple[float, int]] = deque()
+        # (when, recommended, the pods the work held asked for: 0 when it fits those there were)
+        self.history: deque[tuple[float, int, int]] = deque()
         self.started: float | None = None
         self.last_scale_up: float | None = None  # when the replicas last grew (by us or by anyone)
         self.last_current: int | None = None
 
     def decide(self, *, now: float, current: int, recommended: int | None, bounds: tuple[int, int],
-               targets: Targets, can_scale_in: bool) -> tuple[int, str]:
+               targets: Targets, can_scale_in: bool, urgent: int | None = None) -> tuple[int, str]:
         desired, why = self._decide(now=now, current=current, recommended=recommended, bounds=bounds,
-                                    targets=targets, can_scale_in=can_scale_in)
+                                    targets=targets, can_scale_in=can_scale_in, urgent=urgent)
         if self.last_current is not None and current > self.last_current:
             self.last_scale_up = now  # grew since the last interval (ours applied late, or a human's)
         if desired > current:
@@ -616,7 +701,7 @@ class Stabiliser:
         return desired, why
 
     def _decide(self, *, now: float, current: int, recommended: int | None, bounds: tuple[int, int],
-                targets: Targets, can_scale_in: bool) -> tuple[int, str]:
+                targets: Targets, can_scale_in: bool, urgent: int | None) -> tuple[int, str]:
         low, high = bounds
         if self.started is None:
             self.started = now
@@ -625,23 +710,26 @@ class Stabiliser:
         if recommended is None:
             return current, "no recommendation"
         recommended = min(max(recommended, low), high)
-        self.history.append((now, recommended))
-        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds,
-                   (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
+        self.history.append((now, recommended, min(urgent or 0, high)))
+        rates_window = lookback_seconds(targets) + 0.5 * targets.interval_seconds
+        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds, rates_window)
         while self.history and self.history[0][0] < now - keep - targets.interval_seconds:
             self.history.popleft()
-        # Rates span LOOKBACK_INTERVALS intervals, so one burst interval lifts that many recommendations in a
-        # row: the up window covers one more (half an interval of slack for scrape jitter), or a lone burst
-        # would pass as sustained demand and add a pod that is held through the peak.
-        up_seconds = max(targets.scale_up_stabilization_seconds,
-                         (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds)
-        up_window = [r for t, r in self.history if t >= now - up_seconds]
-        down_window = [r for t, r in self.history if t >= now - targets.scale_down_stabilization_seconds]
-        up = min(up_window)
+        # Rates span the lookback, so one burst interval lifts every recommendation made within it: the up
+        # window covers the lookback (half an interval of slack for scrape jitter), or a lone burst would pass
+        # as sustained demand and add a pod that is held through the peak. Requests held now are no such
+        # echo: an urgent recommendation needs only the configured window.
+        up_seconds = max(targets.scale_up_stabilization_seconds, rates_window)
+        up = min(r for t, r, _ in self.history if t >= now - up_seconds)
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
             return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
-        down = max(down_window)
+        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog.
+        short = max(targets.scale_up_stabilization_seconds, 1.5 * targets.interval_seconds)
+        pressed = min(u for t, _, u in self.history if t >= now - short)
+        if pressed > current:
+            return pressed, f"scale up: the work held asked for {pressed} over {short:g}s"
+        down = max(max(r, u) for t, r, u in self.history if t >= now - targets.scale_down_stabilization_seconds)
         if down < current:
             window = targets.scale_down_stabilization_seconds
             watched = now - self.started
@@ -678,12 +766,15 @@ class RolePlanner:
     sized_for: float | None = None  # the demand the last scale-up was sized for
 
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
-             bounds: tuple[int, int], targets: Targets, arrivals: float | None = None) -> Decision:
+             bounds: tuple[int, int], targets: Targets, arrivals: float | None = None,
+             prefilling: float = 0.0) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
-        ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second.
+        ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
+        (decode only): the requests prefill holds at its last scrape.
         """
         pods = list(pods)
+        lookback = lookback_seconds(targets)
         windows: list[PodWindow] = []
         silent: list[str] = []
         for pod in pods:
@@ -691,9 +782,9 @@ class RolePlanner:
             if new is None:
                 silent.append(pod)
                 continue
-            past = self.history.setdefault(pod, deque(maxlen=LOOKBACK_INTERVALS + 1))
-            # Rates over up to LOOKBACK_INTERVALS intervals: a Poisson burst in one short interval is not a trend.
-            oldest = new.time - (LOOKBACK_INTERVALS + 0.5) * targets.interval_seconds
+            past = self.history.setdefault(pod, deque(maxlen=math.ceil(lookback / targets.interval_seconds) + 1))
+            # Rates over up to the lookback: a Poisson burst in one short interval is not a trend.
+            oldest = new.time - lookback - 0.5 * targets.interval_seconds
             old = next((p for p in past if p.time >= oldest), None)
             w = window(old, new) if old is not None else None
             if old is not None and w is None:
@@ -714,17 +805,17 @@ class RolePlanner:
         if silent or len(windows) < current or current != self.stabiliser.last_current or self.unsettled_at is None:
             self.unsettled_at = now
         settled_seconds = now - self.unsettled_at
-        lookback = LOOKBACK_INTERVALS * targets.interval_seconds
         if self.role == "prefill":
             self.prefill.observe(windows)
             est = estimate_prefill(windows, target=targets.ttft_seconds, learned=self.prefill, current=current,
                                    settled_seconds=settled_seconds, lookback_seconds=lookback,
-                                   margin=targets.scale_in_margin)
+                                   margin=targets.scale_in_margin, tolerance=targets.tolerance)
         else:
             self.decode.observe(windows)
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
-                                  margin=targets.scale_in_margin, arrivals=arrivals)
+                                  margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,
+                                  tolerance=targets.tolerance)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         numbers = dict(est.numbers)
         numbers["pods_reporting"] = float(len(windows))
@@ -740,7 +831,7 @@ class RolePlanner:
         if recommended is not None:
             numbers["recommended"] = float(recommended)
         desired, why = self.stabiliser.decide(now=now, current=current, recommended=recommended, bounds=bounds,
-                                              targets=targets, can_scale_in=not silent)
+                                              targets=targets, can_scale_in=not silent, urgent=est.urgent)
         if desired > current:
             self.sized_for = est.demand
         return Decision(role=self.role, current=current, desired=desired, reason=f"{why}; {reason}",
