@@ -14,8 +14,8 @@ formulas fed with the sim cost model's true numbers instead of learned ones,
 rounded up. The targets are what a user of this cost model would set: TTFT 4 s
 is about four times one request's bare prefill (320 uncached tokens x 3 ms =
 0.96 s), so queueing may add up to three service times; ITL 80 ms is the cost
-model's step time at batch 5 (20 ms + 12 ms per sequence), so a decode pod may
-batch about five sequences. (The earlier 45 ms sat one batch step above the
+model's step time at batch 5 (20 ms + 12 ms per sequence), and the pods hold at
+most four sequences (MAX_BATCH), so a pod past its capacity queues the excess. (The earlier 45 ms sat one batch step above the
 32 ms batch-1 ITL: no decode pod could batch, and every fit noise said the
 target was out of reach.)
 
@@ -62,8 +62,13 @@ CONFIGS = ("planner", "fixed-avg", "fixed-peak")
 TIME_SCALE = 2.0
 PREFILL_PER_TOKEN_SECONDS = 0.0015
 DECODE_PER_SEQUENCE_SECONDS = 0.006
+# At most four sequences per pod (vLLM's max_num_seqs): ITL at batch 4 is 68 ms, under the 80 ms target, so a
+# pod past its capacity queues the excess (first tokens wait: TTFT, whose target has room) instead of slowing
+# every running sequence past the ITL target (a batch of 19 at 250 ms when one decode pod took the 4x step).
+MAX_BATCH = 4
 ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds", f"{PREFILL_PER_TOKEN_SECONDS:g}",
-               "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--drain-seconds", "20"]
+               "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--max-batch", str(MAX_BATCH),
+               "--drain-seconds", "20"]
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
              "--output-tokens", str(OUTPUT_TOKENS)]
@@ -161,7 +166,10 @@ def model_replicas(rate: float, *, ttft: float, itl: float) -> tuple[int, int]:
     context = SYSTEM_TOKENS + TURNS * (USER_TOKENS + OUTPUT_TOKENS) // 2  # a sequence's mean context
     one = cost.decode_seconds(batch=1, context_tokens=context)
     slope = cost.decode_seconds(batch=2, context_tokens=2 * context) - one
-    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=one - slope, c=slope, target=itl)
+    a, c = one - slope, slope
+    if (itl - a) / c > MAX_BATCH:  # the pods' batch cap binds before the target does
+        c = (itl - a) / MAX_BATCH
+    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=a, c=c, target=itl)
     return max(1, math.ceil(prefill - 1e-9)), max(1, math.ceil(decode - 1e-9))
 
 

@@ -43,10 +43,11 @@ def test_reaction_is_the_step_to_the_first_sample_with_more_ready_pods() -> None
 
 
 def test_fixed_sizing_comes_from_the_cost_model_and_the_planners_formulas() -> None:
-    # 320 uncached tokens x 3 ms = 0.96 s of prefill; ITL = 20 ms + 12 ms x batch, batch 5 within 80 ms.
+    # 320 uncached tokens x 3 ms = 0.96 s of prefill; ITL = 20 ms + 12 ms x batch would allow batch 5 within
+    # 80 ms, but the pods hold at most MAX_BATCH = 4 sequences: that bound is the batch sized for.
     assert model_replicas(0.3, ttft=4.0, itl=0.08) == (1, 1)  # the base rate
-    assert model_replicas(1.2, ttft=4.0, itl=0.08) == (2, 2)  # 4x: 1.2 x 0.96 / 0.76 = 1.5; 76.8 x 0.08 / 5 = 1.2
-    assert model_replicas(2.4, ttft=4.0, itl=0.08) == (4, 3)
+    assert model_replicas(1.2, ttft=4.0, itl=0.08) == (2, 2)  # 4x: 1.2 x 0.96 / 0.76 = 1.5; 76.8 x 0.08 / 4 = 1.5
+    assert model_replicas(2.4, ttft=4.0, itl=0.08) == (4, 4)  # 153.6 x 0.08 / 4 = 3.1 (batch 5 would give 3)
     assert model_replicas(0.001, ttft=4.0, itl=0.08) == (1, 1)  # never below one
 
 

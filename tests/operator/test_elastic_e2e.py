@@ -187,7 +187,8 @@ def test_a_4x_step_raises_prefill_and_decode_and_ttft_comes_back_under_target(en
     # more: at an 80 ms target one pod meets it while its batch builds up after the step (measured first
     # decode scale-ups 29.8-32.5 s after the step; prefill 11.6-15.1 s; with the up window spanning the
     # lookback, 2026-12-01: decode 34.1 / 33.7 s, prefill 16.2 / 18.8 s; prefill 35.7 s with a second e2e
-    # suite running beside this one on the 2 cores). The benchmark measures reaction times; this bounds them.
+    # suite running beside this one on the 2 cores; with the backlog's urgent pod, 17:17: prefill 10.6 s,
+    # decode 16.3 s). The benchmark measures reaction times; this bounds them.
     assert first_prefill - step < 45 and first_decode - step < 45, (first_prefill - step, first_decode - step)
     PHASES.marks["reaction_prefill"], PHASES.marks["reaction_decode"] = first_prefill - step, first_decode - step
     # Every pod asked for ready. Not "more than one" at this moment: no load runs during this wait, so
