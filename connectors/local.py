@@ -59,7 +59,7 @@ class VllmServer:
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     ipc_dir: Path | None = None
-    """vLLM's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``): a private dir removed at stop, not /tmp itself."""
+    """vLLM's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``) and temp files (``TMPDIR``): a private dir removed at stop."""
 
     @property
     def url(self) -> str:
@@ -81,9 +81,11 @@ class VllmServer:
                "PYTHONSAFEPATH": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only, and it would win over --kv-cache-memory-bytes
         env.pop("PYTHONHASHSEED", None)  # vLLM's sha256 block hashes are stable across processes only without it
-        # vLLM leaves a socket file per engine in its RPC base path (default /tmp) when it exits.
+        # vLLM leaves a socket file per engine in its RPC base path (default /tmp) when it exits, and a
+        # vllm_dist_<uuid> rendezvous file in the temp dir per start (65 had piled up in /tmp): both go here.
         self.ipc_dir = Path(tempfile.mkdtemp(prefix="vllm-ipc-"))
         env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
+        env["TMPDIR"] = str(self.ipc_dir)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
