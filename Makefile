@@ -7,6 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# Two pytest workers, each test file whole on one of them (pytest-xdist --dist loadfile): most of an
+# e2e test's time is waiting for pods, loads and windows. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 # The repository root holds `operator/` (imported as daybreak.operator). Never
 # let `python -m ...` put the root on sys.path, or it shadows the stdlib module.
 export PYTHONSAFEPATH := 1
@@ -53,7 +56,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 test: venv tools rdma-deps vllm-env prometheus-deps lint typecheck
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv tools prometheus-deps
 	$(BIN)/python -m daybreak.devenv.demo
