@@ -15,9 +15,9 @@ rounded up. The targets are what a user of this cost model would set: TTFT 4 s
 is about four times one request's bare prefill (320 uncached tokens x 3 ms =
 0.96 s), so queueing may add up to three service times; ITL 80 ms is the cost
 model's step time at batch 5 (20 ms + 12 ms per sequence), and the pods hold at
-most four sequences (MAX_BATCH), so a pod past its capacity queues the excess. (The earlier 45 ms sat one batch step above the
-32 ms batch-1 ITL: no decode pod could batch, and every fit noise said the
-target was out of reach.)
+most four sequences (MAX_BATCH), so a pod past its capacity queues the excess.
+(The earlier 45 ms sat one batch step above the 32 ms batch-1 ITL: no decode
+pod could batch, and every fit noise said the target was out of reach.)
 
 Measured per configuration: the share of requests meeting the TTFT target,
 the ITL target (the request's mean inter-token gap) and both (a failed
@@ -166,10 +166,8 @@ def model_replicas(rate: float, *, ttft: float, itl: float) -> tuple[int, int]:
     context = SYSTEM_TOKENS + TURNS * (USER_TOKENS + OUTPUT_TOKENS) // 2  # a sequence's mean context
     one = cost.decode_seconds(batch=1, context_tokens=context)
     slope = cost.decode_seconds(batch=2, context_tokens=2 * context) - one
-    a, c = one - slope, slope
-    if (itl - a) / c > MAX_BATCH:  # the pods' batch cap binds before the target does
-        c = (itl - a) / MAX_BATCH
-    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=a, c=c, target=itl)
+    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=one - slope, c=slope, target=itl,
+                            max_batch=MAX_BATCH)
     return max(1, math.ceil(prefill - 1e-9)), max(1, math.ceil(decode - 1e-9))
 
 

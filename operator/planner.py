@@ -40,8 +40,8 @@ Scale-in has hysteresis: the estimate carries a hold, the pods needed for
 it (and never while the latency misses), so the pod taken away is not wanted
 back next interval. The stabiliser then turns the recommendation into
 replicas: a relative dead band, the lowest recommendation of the scale-up
-window (a spike must last; the backlog's pod needs two scrapes), the highest of the scale-down window measured
-also from the role's last scale-up (the load must stay low the whole window,
+window (a spike must last; the backlog's pod needs two scrapes), the highest
+of the scale-down window measured also from the role's last scale-up (the load must stay low the whole window,
 the planner must have watched that long, and the last pod added must have
 shown what it does), a maximum step each way and the role's bounds. A pod
 without metrics (new, or its scrape failed) is never taken for idle: while
@@ -531,9 +531,15 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     return Estimate(float(current), "TTFT within target; prefill throughput not learned yet", numbers)
 
 
-def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: float) -> tuple[float, float]:
-    """(pods, sequences per pod) for ``tokens``/s and ``queued`` requests under ITL = a + c x batch <= target."""
-    batch = (target - a) / c
+def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: float,
+                max_batch: float = math.inf) -> tuple[float, float]:
+    """(pods, sequences per pod) for ``tokens``/s and ``queued`` requests under ITL = a + c x batch <= target.
+
+    ``max_batch``: the pods' own cap on running sequences (vLLM's ``max_num_seqs``), where it binds before the
+    target does. The planner cannot read it from the metrics and leaves it unbounded; the bench's fixed
+    sizings pass the cap their pods run with.
+    """
+    batch = min((target - a) / c, max_batch)
     if batch < 1:
         # Even batch 1 misses: one sequence per pod is the best there is (more pods buy nothing).
         return tokens * (a + c) + queued, 1.0

@@ -7,13 +7,16 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from daybreak.devenv.cluster import LocalCluster
 
 # What the lent GPU machine lacks: the GPU check scripts must run without them.
 GPU_MACHINE_ABSENT = ("pydantic", "kopf", "kubernetes", "kubernetes_asyncio")
 
 
-def crds_and_namespace(kube: Any, namespace: str) -> None:
+def crds_and_namespace(kube: LocalCluster, namespace: str) -> None:
     """The CRDs applied and Established, and ``namespace`` there (created once per cluster)."""
     kube.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
     kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")

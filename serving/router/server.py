@@ -278,8 +278,8 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
 
     ``cached_tokens = prompt_tokens - computed``, where ``computed`` is the longer of the two steps'
     computed suffixes (the tokens either step computed; decode's recomputed tail lies inside prefill's),
-    so a token either step had to compute is never reported as cached, and none is counted twice. Engines without the ``daybreak`` extension
-    (vLLM) pass their own ``cached_tokens`` through.
+    so a token either step had to compute is never reported as cached, and none is counted twice. Engines
+    without the ``daybreak`` extension (vLLM) pass their own ``cached_tokens`` through.
     """
     if decode is None:
         return None
