@@ -136,6 +136,7 @@ class StoreDataPath:
                 service._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
                 return
             self.store.back(slots)
+            self.store.clear(slots)  # one-sided writers are not watched: no residue for them to publish
             parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
             rid = self.store.park(parked)
             service.hold_reservation(rid, sum(r.size for r in parked if r is not None))
@@ -162,7 +163,9 @@ class StoreDataPath:
                     statuses.append(p.Status.MISS)
                     continue
                 crc = self._landed_crc(res)
-                if agent_crc:
+                if agent_crc and res.cleared:
+                    # The agent's own checksum of what landed: safe only over an extent cleared at hand-out
+                    # (what was never written reads as zeros, never as the previous owner's bytes).
                     res.checksum = crc
                 if crc != res.checksum:
                     log.warning("event=block_refused key=%s reason=checksum_mismatch_after_transfer", res.key)

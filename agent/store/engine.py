@@ -61,6 +61,7 @@ class Reservation:
     segment: int
     offset: int
     pin_seconds: int = 0
+    cleared: bool = False  # zeroed before it was handed out (``BlockStore.clear``): it can hold no residue
 
 
 @dataclass
@@ -162,6 +163,22 @@ class BlockStore:
         for res in slots:
             if isinstance(res, Reservation) and res.tier == "dram":
                 self.dram.back(res.segment, res.offset, res.size)
+
+    def clear(self, slots: Iterable[Reservation | Status]) -> None:
+        """Zero reservations whose bytes a writer lands without the agent seeing them (ALLOC, XALLOC); outside the lock.
+
+        A freed extent still holds the bytes of the block that lived there, maybe another
+        namespace's. A stream PUT overwrites every byte before its COMMIT, but a one-sided or
+        mapped writer may write less (or nothing) and COMMIT: without this, the agent would
+        publish (or checksum, for ``FLAG_AGENT_CRC``) the previous owner's bytes under the
+        writer's key (docs/security.md, "Reservations never expose residue"). Zeroing at
+        hand-out costs one memset of the block, only on these paths; zeroing on free would
+        cost it on every removal and eviction, and stream PUTs do not need it.
+        """
+        for res in slots:
+            if isinstance(res, Reservation) and not res.cleared:
+                self._memory(res.tier).clear_extent(res.segment, res.offset, res.size)
+                res.cleared = True
 
     def usage(self) -> dict[str, int]:
         """Bytes used per enabled tier."""

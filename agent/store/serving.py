@@ -422,6 +422,7 @@ class Service:
             self._blocks(conn, header, [p.BlockInfo(p.Status.LEAVING) for _ in req.keys])
             return
         self.store.back(slots)
+        self.store.clear(slots)  # the client's memcpy may write less than reserved: no residue behind it
         parked: list[Reservation | None] = [s if isinstance(s, Reservation) else None for s in slots]
         rid_parked = self.store.park(parked)
         session.parked[rid_parked] = sum(r.size for r in parked if r is not None)

@@ -15,6 +15,7 @@ bytes), written to a temporary name and renamed, and verified on every read.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -71,6 +72,10 @@ class MemoryTier(Tier, Protocol):
 
     def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
         """Copy ``data`` into the extent at ``(segment, offset)``."""
+        ...
+
+    def clear_extent(self, segment: int, offset: int, size: int) -> None:
+        """Zero ``size`` bytes at ``(segment, offset)``: what a writer the agent does not watch is handed."""
         ...
 
     def shared_name(self, segment: int) -> str:
@@ -324,6 +329,14 @@ class DramTier:
     def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
         self.view(segment, offset, len(data))[:] = data
 
+    def clear_extent(self, segment: int, offset: int, size: int) -> None:
+        if size <= 0:
+            return
+        # memset through libc (ctypes drops the GIL for it): one pass over the extent, no zero buffer to copy from
+        target = ctypes.c_char.from_buffer(self.segments[segment].buffer, offset)
+        ctypes.memset(ctypes.addressof(target), 0, size)
+        del target  # the export on the mapping must not outlive the call (close() refuses a mapping with exports)
+
     def shared_name(self, segment: int) -> str:
         return self.segment_name(segment)
 
@@ -485,6 +498,18 @@ class SsdTier:
             pass
 
 
+_ZERO_CHUNK = 4 << 20
+_zero_buffer = memoryview(b"")
+
+
+def _zeros(size: int) -> memoryview:
+    """A read-only view of at least ``size`` zero bytes, shared (grown once to ``_ZERO_CHUNK`` at most)."""
+    global _zero_buffer
+    if len(_zero_buffer) < size:
+        _zero_buffer = memoryview(bytes(max(size, 1 << 20)))
+    return _zero_buffer
+
+
 class HbmTier:
     """One device allocation carved by an Arena; bytes move with the runtime's host<->device copies."""
 
@@ -522,6 +547,13 @@ class HbmTier:
 
     def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
         self.write(offset, data)
+
+    def clear_extent(self, segment: int, offset: int, size: int) -> None:
+        # The runtime has no memset in its narrow interface: copy from one shared zero buffer, a chunk at a time.
+        zeros = _zeros(min(size, _ZERO_CHUNK))
+        for at in range(0, size, _ZERO_CHUNK):
+            n = min(_ZERO_CHUNK, size - at)
+            self.write(offset + at, zeros[:n])
 
     def shared_name(self, segment: int) -> str:
         return ""  # another process cannot map it (same-node clients GET it instead)

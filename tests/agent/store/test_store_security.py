@@ -22,6 +22,7 @@ import pytest
 
 from daybreak.client import KVPoolAuthorizationError, KVPoolClient
 from daybreak.pool import protocol as p
+from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection, RemoteError, parse_address
 from daybreak.pool.credentials import agent_credential, namespace_credential
 from daybreak.pool.shm import SHM_DIR
@@ -479,3 +480,90 @@ def test_tls_store_protocol_and_its_cost(pool: dict[str, object], tmp_path: Path
         KVPoolClient(endpoints=[tls.address], token=secret(pool).decode(), namespace="ns", transport="tcp",
                      timeout_seconds=5)
     print(f"tls cost: plain {rates['plain']:.0f} MiB/s, tls {rates['tls']:.0f} MiB/s (put+get, 4 MiB blocks)")
+
+
+# -- issue 22 finding 1: no residue through reservations --------------------------------------------------------
+
+_VICTIM = b"VICTIM-SECRET-KV"  # 16 bytes: a victim block is this pattern over and over
+
+
+def _victim_blocks(count: int, size: int) -> list[bytes]:
+    return [(_VICTIM[:-2] + b"%02d" % (i % 100)) * (size // len(_VICTIM)) for i in range(count)]
+
+
+def _residue_in(data: bytes | bytearray) -> bool:
+    return _VICTIM[:-2] in data
+
+
+def _attack(agent: LocalAgent, pool: dict[str, object], *, count: int, size: int, agent_crc: bool,
+            alloc: bool = False) -> tuple[int, int]:
+    """The attacker reserves ``count`` blocks, commits them without writing a byte and reads them back by GET.
+
+    Returns (blocks the agent published, blocks that came back holding victim bytes)."""
+    cred = namespace_credential(secret(pool), "attacker").encode()
+    conn = Connection(agent.address, token=cred)
+    keys = [f"attacker/r{i}" for i in range(count)]
+    zero_crc = crc32c(bytes(size))
+    if alloc:  # same-node ALLOC: the checksum the agent checks at COMMIT is the attacker's own guess
+        reply = conn.alloc(keys, [size] * count, [zero_crc] * count)
+        committed = conn.commit(reply.lease_id)
+    else:
+        reply = conn.xalloc(keys, [size] * count, [zero_crc] * count, agent_crc=agent_crc)
+        committed = conn.commit(reply.lease_id)
+    published = [k for k, info in zip(keys, committed, strict=True) if info.status == p.Status.OK]
+    leaked = 0
+    for key in published:
+        out = bytearray(size)
+        [info] = conn.get_into([key], [memoryview(out)])
+        assert info.status == p.Status.OK
+        leaked += _residue_in(out)
+    conn.close()
+    return len(published), leaked
+
+
+@pytest.mark.parametrize("agent_crc", [True, False], ids=["agent-crc", "zero-crc"])
+def test_reserving_a_removed_blocks_extent_returns_no_victim_bytes(pool: dict[str, object], agent_crc: bool) -> None:
+    agent = start(pool)
+    count, size = 24, 1 << 20
+    victim = Connection(agent.address, token=namespace_credential(secret(pool), "victim").encode())
+    blocks = _victim_blocks(count, size)
+    keys = [f"victim/b{i}" for i in range(count)]
+    assert all(i.status == p.Status.OK for i in victim.put(keys, [memoryview(b) for b in blocks],
+                                                           [crc32c(b) for b in blocks]))
+    assert all(i.status == p.Status.OK for i in victim.remove(keys))
+    victim.close()
+    published, leaked = _attack(agent, pool, count=count, size=size, agent_crc=agent_crc)
+    print(f"attacker published {published} of {count} unwritten reservations, {leaked} held victim bytes")
+    # The agent cleared every extent first: what it published is zeros (so a zero checksum matches), never residue.
+    assert leaked == 0 and published == count
+
+
+def test_same_node_alloc_of_a_removed_blocks_extent_returns_no_victim_bytes(pool: dict[str, object]) -> None:
+    agent = start(pool)
+    count, size = 8, 1 << 20
+    victim = Connection(agent.address, token=namespace_credential(secret(pool), "victim").encode())
+    blocks = _victim_blocks(count, size)
+    keys = [f"victim/b{i}" for i in range(count)]
+    victim.put(keys, [memoryview(b) for b in blocks], [crc32c(b) for b in blocks])
+    victim.remove(keys)
+    victim.close()
+    published, leaked = _attack(agent, pool, count=count, size=size, agent_crc=False, alloc=True)
+    print(f"ALLOC: attacker published {published} unwritten reservations, {leaked} held victim bytes")
+    assert leaked == 0 and published == count  # zeros, which the attacker's zero checksum matches
+
+
+def test_reserving_past_the_tier_evicts_live_victims_and_returns_none_of_their_bytes(
+        pool: dict[str, object]) -> None:
+    agent = start(pool, dram="64Mi")
+    size = 1 << 20
+    victim = Connection(agent.address, token=namespace_credential(secret(pool), "victim").encode())
+    blocks = _victim_blocks(40, size)
+    keys = [f"victim/b{i}" for i in range(40)]
+    stored = victim.put(keys, [memoryview(b) for b in blocks], [crc32c(b) for b in blocks])
+    assert all(i.status == p.Status.OK for i in stored)
+    published, leaked = _attack(agent, pool, count=48, size=size, agent_crc=True)
+    live = sum(i.status == p.Status.OK for i in victim.exists(keys))
+    victim.close()
+    print(f"48 MiB reserved on a 64 MiB tier: {40 - live} of 40 victim blocks evicted, {published} attacker "
+          f"blocks published, {leaked} held victim bytes")
+    assert leaked == 0

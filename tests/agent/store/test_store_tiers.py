@@ -16,6 +16,7 @@ from daybreak.agent.runtime.sunrise import SunriseRuntime
 from daybreak.agent.store.engine import BlockStore, Reservation, StoreConfig
 from daybreak.agent.store.tiers import HbmTier
 from daybreak.client import KVPoolClient
+from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
@@ -64,6 +65,30 @@ def test_hbm_put_get_and_demotion_to_dram(hbm_store: BlockStore) -> None:
             out[:] = np.frombuffer(store.view(block), np.uint8)
         store.release([block])
         assert np.array_equal(out, d) and crc32c(out) == block.checksum
+
+
+@pytest.mark.parametrize("tier", ["hbm", "dram"])
+def test_a_cleared_reservation_holds_none_of_the_removed_blocks_bytes(hbm_store: BlockStore, tier: str) -> None:
+    """Issue 22 finding 1 on both memory tiers: the extent a removed block leaves is zeroed before a writer
+    the agent does not watch (XALLOC, ALLOC) is handed it."""
+    store = hbm_store
+    secret = b"VICTIM-SECRET-KV" * (1 << 16)  # 1 MiB
+    res = store.reserve("victim/b", len(secret), crc32c(secret), tier=tier)
+    assert isinstance(res, Reservation) and res.tier == tier
+    tier_memory = store.hbm if tier == "hbm" else store.dram
+    assert tier_memory is not None
+    tier_memory.write_extent(res.segment, res.offset, memoryview(secret))
+    store.commit([res])
+    assert store.remove(["victim/b"]) == [p.Status.OK]
+    again = store.reserve("attacker/r", len(secret), crc32c(bytes(len(secret))), tier=tier)
+    assert isinstance(again, Reservation) and (again.segment, again.offset) == (res.segment, res.offset)
+    out = bytearray(len(secret))
+    tier_memory.read_extent(again.segment, again.offset, memoryview(out))
+    assert bytes(out) == secret  # the residue is there before clearing: what the attack read
+    store.clear([again])
+    tier_memory.read_extent(again.segment, again.offset, memoryview(out))
+    assert again.cleared and not any(out)
+    store.commit([again], ok=False)
 
 
 def test_agent_with_hbm_tier_serves_clients(libdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
