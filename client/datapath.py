@@ -1,8 +1,9 @@
 """How a block's bytes move between the caller and one agent: a strategy per replica, the transfer engine's part.
 
 The shape is Mooncake's ``TransferSubmitter``: the store protocol is the
-control (``XALLOC``/``XLOCATE`` say where a block lands or lives, ``COMMIT``
-publishes it, ``RELEASE`` ends the reader's lease), and the bytes move by the
+control (``XALLOC``/``XLOCATE`` say where a block lands or lives and grant a
+capability for exactly that extent, ``COMMIT`` publishes it, ``RELEASE`` ends
+the reader's lease and revokes its capabilities), and the bytes move by the
 strategy ``choose`` picks for that agent and buffer:
 
 - ``ENGINE``: a transfer engine the caller passes in (``daybreak.agent.transfer.TransferEngine``
@@ -48,8 +49,8 @@ class DataEngine(Protocol):
 
     def route(self, remote: Any) -> tuple[str, ...]: ...
 
-    def move(self, moves: Sequence[tuple[str, Any, int, Any, int]], *,
-             timeout_s: float | None = None) -> list[tuple[bool, str, str]]: ...
+    def move(self, moves: Sequence[tuple[str, Any, int, Any, int]], *, timeout_s: float | None = None,
+             capabilities: Sequence[bytes] | None = None) -> list[tuple[bool, str, str]]: ...
 
     def device_memory(self, device: int, ptr: int, size: int) -> Any: ...
 
@@ -134,7 +135,8 @@ class EngineDataPath:
             self._staging_view = memoryview(buf)
         return self._staging_view
 
-    def _run(self, moves: list[tuple[str, Any, int, Any, int]]) -> list[tuple[bool, str, str]]:
+    def _run(self, moves: list[tuple[str, Any, int, Any, int]], caps: list[bytes]) -> list[tuple[bool, str, str]]:
+        """Run the moves; ``caps[i]`` is the agent's grant for move i (XLOCATE/XALLOC), handed back untouched."""
         if not moves:
             return []
         staged = [i for i, m in enumerate(moves) if isinstance(m[3], memoryview)
@@ -151,7 +153,7 @@ class EngineDataPath:
                 sent[i] = (op, remote, offset, self._staging, length, at)
                 offsets[i] = at
                 at += length
-        results = self.engine.move(sent, timeout_s=self.timeout)
+        results = self.engine.move(sent, timeout_s=self.timeout, capabilities=caps)
         for i, at in offsets.items():
             op, _, _, local, length = moves[i]
             if op == "read" and results[i][0]:
@@ -170,7 +172,8 @@ class EngineDataPath:
         reply = conn.xalloc(keys, [len(b) for b in bufs], checksums, tier=tier, pin_seconds=pin_seconds,
                             agent_crc=device)
         moves = []
-        for info, buf in zip(reply.blocks, bufs, strict=True):
+        caps: list[bytes] = []
+        for i, (info, buf) in enumerate(zip(reply.blocks, bufs, strict=True)):
             if info.status == p.Status.OK:
                 remote = remotes.get(info.where)
                 if remote is None:
@@ -178,8 +181,9 @@ class EngineDataPath:
                     self.forget(agent)  # the agent registered new segments: ask again next time
                     return None
                 moves.append(("write", remote, info.offset, self._local(buf), len(buf)))
+                caps.append(reply.capability(i))
         try:
-            results = self._run(moves)
+            results = self._run(moves, caps)
         except BaseException:
             conn.commit(reply.lease_id, abort=True)
             raise
@@ -198,6 +202,7 @@ class EngineDataPath:
         remotes = self.remotes(agent, conn)
         reply = conn.xlocate(keys, flags=flags)
         moves: list[tuple[str, Any, int, Any, int]] = []
+        caps: list[bytes] = []
         which: list[int] = []
         stream: list[int] = []
         try:
@@ -211,8 +216,9 @@ class EngineDataPath:
                 elif info.size:
                     local = self._local(buf) if isinstance(buf, DeviceRef) else buf[:info.size]
                     moves.append(("read", remotes[info.where], info.offset, local, info.size))
+                    caps.append(reply.capability(i))
                     which.append(i)
-            results = self._run(moves)
+            results = self._run(moves, caps)
         finally:
             conn.release(reply.lease_id)
         verified: set[int] = set()

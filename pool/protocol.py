@@ -31,7 +31,7 @@ from daybreak.pool.credentials import NAMESPACE_PATTERN
 from daybreak.pool.sockets import recv_exact
 
 MAGIC = b"DBKV"
-VERSION = 2  # 2: challenge-response HELLO (docs/protocol.md)
+VERSION = 3  # 2: challenge-response HELLO; 3: XLOCATE/XALLOC replies carry capabilities (docs/protocol.md)
 HEADER = struct.Struct("<4sBBHIIQ")
 HEADER_SIZE = HEADER.size  # 24
 
@@ -46,6 +46,7 @@ MAX_TEXT_BYTES = 4096
 # Before authentication a frame may carry at most this much metadata and no data at all.
 MAX_PREAUTH_META_BYTES = 1024
 MAX_ADDRESS_BYTES = 256  # an agent address (RECORD holder, member address)
+MAX_CAPABILITY_BYTES = 256  # one one-sided access capability (pool/capability.py: 68 bytes today)
 
 
 Raw = bytes | bytearray | memoryview
@@ -427,16 +428,30 @@ _ENTRY = struct.Struct("<BQIH")  # status, size, crc32c, length of ``where``
 
 @dataclass
 class BlocksReply:
-    """Reply to PUT/GET/EXISTS/REMOVE/LOCATE/ALLOC/REPORT; for GET the data section holds the OK blocks."""
+    """Reply to PUT/GET/EXISTS/REMOVE/LOCATE/ALLOC/REPORT; for GET the data section holds the OK blocks.
+
+    ``capabilities`` (XLOCATE, XALLOC): one per block, opaque, empty where the block has none
+    (``pool/capability.py``); every other reply carries none.
+    """
 
     blocks: list[BlockInfo]
     lease_id: int = 0
+    capabilities: list[bytes] = field(default_factory=list)
 
     def encode(self) -> bytes:
+        if self.capabilities and len(self.capabilities) != len(self.blocks):
+            raise ValueError(f"{len(self.capabilities)} capabilities for {len(self.blocks)} blocks")
         w = Writer().u32(len(self.blocks)).u64(self.lease_id)
         for b in self.blocks:
             w.u8(int(b.status)).u64(b.size).u32(b.checksum).text(b.where, limit=MAX_KEY_BYTES).u64(b.offset)
+        w.u32(len(self.capabilities))
+        for cap in self.capabilities:
+            w.blob(cap, limit=MAX_CAPABILITY_BYTES)
         return bytes(w.buf)
+
+    def capability(self, index: int) -> bytes:
+        """The capability of block ``index``; b'' where the reply carries none."""
+        return self.capabilities[index] if self.capabilities else b""
 
     @classmethod
     def decode(cls, raw: Raw) -> BlocksReply:
@@ -462,8 +477,12 @@ class BlocksReply:
             if size > MAX_BLOCK_BYTES:
                 raise ProtocolError(f"block size over {MAX_BLOCK_BYTES}")
             blocks.append(BlockInfo(kind, size, checksum, where, r.u64()))
+        caps = r.count()
+        if caps not in (0, n):
+            raise ProtocolError(f"{caps} capabilities for {n} blocks")
+        capabilities = [r.blob(limit=MAX_CAPABILITY_BYTES) for _ in range(caps)]
         r.end()
-        return cls(blocks, lease_id)
+        return cls(blocks, lease_id, capabilities)
 
 
 @dataclass

@@ -12,7 +12,17 @@ A one-sided write lands without the agent seeing the bytes, so COMMIT of an
 ``XALLOC`` reservation checksums what landed (in the agent's own memory) and
 refuses a block whose CRC-32C is not the writer's: the check sits where the
 bytes are, once per block, and a writer that cannot checksum its buffer
-(device memory) asks the agent to compute it (``FLAG_AGENT_CRC``).
+(device memory) asks the agent to compute it (``FLAG_AGENT_CRC``). The agent
+zeroes every extent it hands out this way (``BlockStore.clear``), so that
+checksum is of the writer's bytes or of zeros, never of a previous owner's.
+
+One-sided access is granted per block: XLOCATE answers a READ capability and
+XALLOC a WRITE capability for each extent (``pool/capability.py``), bound to the
+connection's scope, the segment, the range and the lease or reservation, and
+minted with a key only this process holds. ``authorize`` is what the engine's
+tcp server asks before it lands or sends a byte of a store segment: no valid
+capability, no access, whatever credential the peer holds (docs/security.md,
+"One-sided access: capabilities").
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 
 from daybreak.agent.store.engine import BlockStore, Reservation
 from daybreak.agent.transfer.transport import LocalSegment
+from daybreak.pool import capability as cap
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 
@@ -47,6 +58,8 @@ class StoreDataPath:
         self._agent_crc: dict[int, bool] = {}  # XALLOC reservation id -> the agent computes the CRC
         self._lock = threading.Lock()
         self.preflight: Any = None  # agent.preflight.Preflight, once it ran
+        self.authority = cap.Authority()  # this process's capability key: random, never on the wire
+        self._store_segments: set[str] = set()  # segment ids only a capability reaches
 
     # -- registration ------------------------------------------------------------------------------
 
@@ -57,6 +70,8 @@ class StoreDataPath:
         hbm = self.store.hbm
         if hbm is not None:
             self.segments[("hbm", 0)] = self.engine.register_segment(hbm.buffer, name=f"{self.store.shm_prefix}-hbm-0")
+        self._store_segments = {seg.segment_id for seg in self.segments.values()}
+        self.engine.require_capabilities(self.authorize)
         log.info("event=datapath_registered engine=%s segments=%d transports=%s", self.engine.engine_id,
                  len(self.segments), ",".join(self.engine.transports))
         return self.entries()
@@ -78,6 +93,23 @@ class StoreDataPath:
         self.segments.clear()
         if self.own_engine:
             self.engine.close()
+
+    def authorize(self, segment: LocalSegment, *, offset: int, length: int, write: bool, capability: bytes,
+                  claim: str) -> str:
+        """The engine server's question before a one-sided READ or WRITE: '' to serve it, else why not.
+
+        A store segment needs a capability covering the range with the right, granted to ``claim``
+        (the scope the peer proved in its handshake; the pool secret may use anyone's) and still live.
+        Any other segment of this engine (the preflight's probes) is reachable with the pool secret only.
+        """
+        if segment.segment_id not in self._store_segments:
+            if claim == cap.ADMIN_CLAIM:
+                return ""
+            return f"segment {segment.segment_id} is not a store segment: only the pool secret reaches it"
+        right = cap.WRITE if write else cap.READ
+        return self.authority.check(capability, segment_id=segment.segment_id, offset=offset, length=length,
+                                    right=right, claim=claim,
+                                    live=lambda grant, r: self.store.grant_live(grant, write=r == cap.WRITE))
 
     def segment_of(self, tier: str, index: int) -> str:
         seg = self.segments.get((tier, index))
@@ -112,7 +144,8 @@ class StoreDataPath:
             # acquire() holds each block; the lease takes that hold over until RELEASE (or expiry)
             lease_id = self.store.lease(blocks)
             service.hold_lease(lease_id)
-            service._blocks(conn, header, infos, lease_id=lease_id)
+            caps = self._grant(service, infos, rights=cap.READ, grant=lease_id)
+            service._reply(conn, header.request_id, p.BlocksReply(infos, lease_id, caps).encode())
 
         def xalloc(conn: socket.socket, header: p.Header, request: object) -> None:
             assert isinstance(request, p.PutRequest)
@@ -144,7 +177,8 @@ class StoreDataPath:
                 self._agent_crc[rid] = bool(header.flags & p.FLAG_AGENT_CRC)
             infos = [p.BlockInfo(p.Status.OK, s.size, s.checksum, self.segment_of(s.tier, s.segment), s.offset)
                      if isinstance(s, Reservation) else p.BlockInfo(s) for s in slots]
-            service._blocks(conn, header, infos, lease_id=rid)
+            caps = self._grant(service, infos, rights=cap.WRITE, grant=rid)
+            service._reply(conn, header.request_id, p.BlocksReply(infos, rid, caps).encode())
 
         def commit(conn: socket.socket, header: p.Header, request: object) -> None:
             assert isinstance(request, p.LeaseRequest)
@@ -184,6 +218,15 @@ class StoreDataPath:
                                            for s, r in zip(statuses, parked, strict=True)])
 
         return {p.Op.SEGMENTS: segments, p.Op.XLOCATE: xlocate, p.Op.XALLOC: xalloc, p.Op.COMMIT: commit}
+
+    def _grant(self, service: Any, infos: list[p.BlockInfo], *, rights: int, grant: int) -> list[bytes]:
+        """One capability per block in a registered segment, bound to the asking connection's scope."""
+        session = getattr(service._local, "session", None)
+        claim = session.scope.claim if session is not None else cap.ADMIN_CLAIM  # in-process callers: admin
+        expires = self.store.grant_deadline(grant)
+        return [self.authority.mint(segment_id=i.where, offset=i.offset, length=i.size, rights=rights, grant=grant,
+                                    expires=expires, claim=claim)
+                if i.status == p.Status.OK and i.where else b"" for i in infos]
 
     def _landed_crc(self, res: Reservation) -> int:
         view = self.store.write_buffer(res)  # DRAM in place; HBM: a host buffer to copy into

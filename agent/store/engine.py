@@ -379,6 +379,22 @@ class BlockStore:
             self.reservations[rid] = (reservations, time.monotonic() + self.config.lease_seconds)
         return rid
 
+    def grant_deadline(self, grant: int) -> float:
+        """When a lease or a parked reservation ends unless released or committed first (``time.monotonic()``)."""
+        with self.lock:
+            lease = self.leases.get(grant)
+            if lease is not None:
+                return lease.expires
+            parked = self.reservations.get(grant)
+            return parked[1] if parked is not None else 0.0
+
+    def grant_live(self, grant: int, *, write: bool) -> bool:
+        """Whether a one-sided capability's grant still stands: a reservation for WRITE, a lease for READ.
+
+        Released leases and committed, aborted or expired reservations are gone from these maps,
+        which is what revokes their capabilities before they expire."""
+        return grant in (self.reservations if write else self.leases)
+
     def unpark(self, rid: int) -> list[Reservation | None] | None:
         with self.lock:
             entry = self.reservations.pop(rid, None)

@@ -48,7 +48,9 @@ class TransferRequest:
 
     ``local`` is any buffer (``memoryview``, ``bytearray``, ``mmap``; writable for READ) or a
     registered ``LocalSegment``; ``local_offset`` is where in it the bytes start. ``length``
-    defaults to the rest of the local buffer.
+    defaults to the rest of the local buffer. ``capability``: the opaque grant a peer that
+    checks one-sided access wants with the request (a store agent's XLOCATE/XALLOC reply,
+    ``pool/capability.py``); carried by tcp, b'' for none.
     """
 
     op: Op
@@ -57,16 +59,17 @@ class TransferRequest:
     local: Any
     local_offset: int = 0
     length: int | None = None
+    capability: bytes = b""
 
     @classmethod
     def read(cls, remote: RemoteSegment, remote_offset: int, into: Any, *, local_offset: int = 0,
-             length: int | None = None) -> TransferRequest:
-        return cls(Op.READ, remote, remote_offset, into, local_offset, length)
+             length: int | None = None, capability: bytes = b"") -> TransferRequest:
+        return cls(Op.READ, remote, remote_offset, into, local_offset, length, capability)
 
     @classmethod
     def write(cls, remote: RemoteSegment, remote_offset: int, source: Any, *, local_offset: int = 0,
-              length: int | None = None) -> TransferRequest:
-        return cls(Op.WRITE, remote, remote_offset, source, local_offset, length)
+              length: int | None = None, capability: bytes = b"") -> TransferRequest:
+        return cls(Op.WRITE, remote, remote_offset, source, local_offset, length, capability)
 
 
 @dataclass(slots=True)

@@ -3,7 +3,12 @@
 Every tcp connection between engines opens with the challenge-response of
 ``daybreak.pool.handshake`` (shared with the store protocol), carried as JSON
 payloads of ``wire`` HELLO frames: claim and nonce, challenge, proof, welcome.
-The engine token is the key (scope ``admin``); it never crosses the wire. rdma
+The engine token is a credential (``pool/credentials.py``): the pool secret
+(scope ``admin``) or a namespace credential (``ns:<name>``), whose key is
+proved and never crosses the wire. The server accepts the scope of its own
+token, and, when it checks a capability per request (a store agent's engine),
+any scope whose key it derives from the pool secret: an engine pod proves its
+deployment's namespace credential there, not the pool secret. rdma
 queue-pair set-up rides on the same server as a request/answer exchange on a
 fresh connection (``control_request``).
 
@@ -23,6 +28,8 @@ from typing import Any
 
 from daybreak.agent.transfer import wire
 from daybreak.errors import DaybreakError
+from daybreak.pool import credentials
+from daybreak.pool.credentials import ADMIN, Scope
 from daybreak.pool.handshake import AuthenticationFailed, Challenge, Hello, client_hello, server_accept
 from daybreak.pool.sockets import Stream, recv_exact_into
 from daybreak.pool.tls import TlsContexts, TlsStream, looks_like_tls
@@ -114,6 +121,16 @@ HANDSHAKE_SECONDS = 10.0
 SCOPE = "admin"
 
 
+def token_scope(token: str) -> tuple[Scope, bytes]:
+    """The scope an engine token claims and the key it proves: a ``dbk1`` credential, else the pool secret (admin).
+
+    An empty token (a test engine) is the admin scope with an empty key, as before credentials.
+    """
+    if not token.strip():
+        return Scope(ADMIN), b""
+    return credentials.parse(token)
+
+
 def _json(payload: bytes | bytearray) -> dict[str, Any]:
     try:
         message = json.loads(payload)
@@ -166,8 +183,9 @@ class _ClientHello:
 
 def client_handshake(sock: Stream, *, engine_id: str, token: str) -> str:
     """Client side of the handshake; returns the peer's engine id (ValueError when either side refuses)."""
+    scope, key = token_scope(token)
     try:
-        return client_hello(_ClientHello(sock), key=token.encode(), scope=SCOPE, identity=engine_id)
+        return client_hello(_ClientHello(sock), key=key, scope=scope.claim, identity=engine_id)
     except AuthenticationFailed as exc:
         raise ValueError(f"bad token: {exc}") from None
 
@@ -209,15 +227,16 @@ class _ServerHello:
 
 
 def server_handshake(*, next_header: Callable[[], wire.Header], read: Callable[[int], bytes],
-                     send: Callable[[bytes], None], engine_id: str, token: str, peer: str,
-                     sock: Stream | None = None, deadline: float | None = None) -> Hello:
+                     send: Callable[[bytes], None], engine_id: str, key_for: Callable[[str], bytes | None],
+                     peer: str, sock: Stream | None = None, deadline: float | None = None) -> Hello:
     """Server side: authenticate the peer, answer with our engine id; MalformedFrame closes the connection.
 
+    ``key_for(claim)``: the key a peer claiming that scope must prove, None to refuse the claim
+    (``TransportHost.handshake_key``). Returns the peer's HELLO: ``scope`` is what it proved.
     With ``sock`` the whole exchange runs under one ``HANDSHAKE_SECONDS`` deadline (a peer trickling
     bytes cannot hold the connection), and the socket's previous timeout is restored afterwards.
     ``deadline`` (``time.monotonic()``): the one the TLS handshake already ran under, continued here.
     """
-    key = token.encode()
     previous = sock.gettimeout() if sock is not None else None
     started = time.monotonic()
     if deadline is None:
@@ -225,8 +244,7 @@ def server_handshake(*, next_header: Callable[[], wire.Header], read: Callable[[
     if sock is not None:
         sock.settimeout(max(0.001, deadline - started))
     try:
-        hello = server_accept(_ServerHello(next_header=next_header, read=read, send=send),
-                              key_for=lambda scope: key if scope == SCOPE else None)
+        hello = server_accept(_ServerHello(next_header=next_header, read=read, send=send), key_for=key_for)
     except AuthenticationFailed:
         raise wire.MalformedFrame(f"bad token from {peer}") from None
     if time.monotonic() > deadline:

@@ -28,9 +28,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from daybreak.agent.runtime.base import DeviceBuffer
-from daybreak.agent.transfer import metrics
+from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
+from daybreak.agent.transfer.control import token_scope
 from daybreak.agent.transfer.descriptor import SegmentDescriptor
 from daybreak.agent.transfer.registry import TRANSPORTS, TransportConfig, check_names, open_transports
 from daybreak.agent.transfer.transport import (
@@ -42,7 +43,9 @@ from daybreak.agent.transfer.transport import (
     address_of,
     byte_view,
 )
+from daybreak.pool import credentials
 from daybreak.pool.admission import Caps
+from daybreak.pool.credentials import ADMIN, Scope
 from daybreak.pool.shm import ShmSegment
 from daybreak.pool.tls import TlsContexts
 
@@ -170,6 +173,7 @@ class TransferEngine:
         self._metric_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._started = False
         self._closed = False
+        self._authorizer: Any = None  # set by require_capabilities (a store agent's datapath)
         # What transfers actually used: bytes per transport, and bytes per (preferred, used) fallback.
         self.bytes_used: dict[str, int] = {}
         self.bytes_fell_back: dict[tuple[str, str], int] = {}
@@ -326,6 +330,38 @@ class TransferEngine:
     def local_segments(self) -> list[LocalSegment]:
         return list(self._segments.values())
 
+    # -- who may reach what ------------------------------------------------------------------------
+    def require_capabilities(self, authorize: Any) -> None:
+        """From now on every peer request is checked by ``authorize`` (``TransportHost.authorize``'s signature).
+
+        A store agent's datapath installs its capability check here; the engine then also accepts
+        peers holding a namespace or agent credential derived from its token (the pool secret), since
+        what they may touch is decided per request, not by the credential (docs/protocol.md).
+        """
+        self._authorizer = authorize
+
+    @property
+    def checks_capabilities(self) -> bool:
+        return self._authorizer is not None
+
+    def authorize(self, segment: LocalSegment, *, offset: int, length: int, write: bool, capability: bytes,
+                  claim: str) -> str:
+        if self._authorizer is None:
+            return ""  # a plain engine: the handshake admitted only holders of its own token
+        problem: str = self._authorizer(segment, offset=offset, length=length, write=write, capability=capability,
+                                        claim=claim)
+        return problem
+
+    def handshake_key(self, claim: str) -> bytes | None:
+        """Its own token's scope always; with capabilities checked, any scope derived from the pool secret."""
+        own, key = token_scope(self.token)
+        if claim == own.claim:
+            return key
+        scope = Scope.parse_claim(claim)
+        if self._authorizer is None or own.role != ADMIN or scope is None:
+            return None
+        return credentials.key_for(key, scope)
+
     def open_remote(self, descriptor: SegmentDescriptor | str | bytes | dict[str, Any]) -> RemoteSegment:
         """Open a peer's segment from its descriptor (object, JSON text/bytes or dict); cached per segment id."""
         if isinstance(descriptor, (str, bytes)):
@@ -406,19 +442,25 @@ class TransferEngine:
         batch.raise_for_status()
         return batch.results
 
-    def move(self, moves: Sequence[tuple[Any, ...]], *,
-             timeout_s: float | None = None) -> list[tuple[bool, str, str]]:
+    def move(self, moves: Sequence[tuple[Any, ...]], *, timeout_s: float | None = None,
+             capabilities: Sequence[bytes] | None = None) -> list[tuple[bool, str, str]]:
         """A batch in plain primitives, for callers that cannot import this package (``daybreak.client``).
 
         Each move is ``(op, remote, remote_offset, local, length)`` with op ``"read"`` or
         ``"write"`` and ``local`` a host buffer, a ``LocalSegment`` or a ``DeviceMemory`` (an optional
-        sixth element is the offset into a ``LocalSegment``); returns
-        ``(completed, transport, error)`` per move, waiting at most ``timeout_s``.
+        sixth element is the offset into a ``LocalSegment``); ``capabilities``, one per move, are the
+        peer's grants (``TransferRequest.capability``). Returns ``(completed, transport, error)`` per
+        move, waiting at most ``timeout_s``.
         """
-        requests = [TransferRequest.read(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0)
+        if capabilities is not None and len(capabilities) != len(moves):
+            raise ValueError(f"capabilities: {len(capabilities)} for {len(moves)} moves")
+        caps = list(capabilities) if capabilities is not None else [b""] * len(moves)
+        requests = [TransferRequest.read(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0,
+                                         capability=c)
                     if m[0] == "read" else
-                    TransferRequest.write(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0)
-                    for m in moves]
+                    TransferRequest.write(m[1], m[2], m[3], length=m[4], local_offset=m[5] if len(m) > 5 else 0,
+                                          capability=c)
+                    for m, c in zip(moves, caps, strict=True)]
         batch = self.submit(requests, timeout_s=timeout_s)
         batch.wait()
         return [(r.status is Status.COMPLETED, r.transport, r.error) for r in batch.results]
@@ -466,9 +508,12 @@ class TransferEngine:
                 raise ValueError(f"{where}.local: READ needs a writable buffer")
             view = view[offset:offset + length]
         chain = remote.chain if local_device is None else self._chain(remote, local_device=True)
+        capability = bytes(request.capability or b"")
+        if len(capability) > wire.MAX_CAPABILITY:
+            raise ValueError(f"{where}.capability: {len(capability)} bytes, at most {wire.MAX_CAPABILITY}")
         return Job(batch=batch, index=index, op=request.op, remote=remote, remote_offset=request.remote_offset,
                    length=length, view=view, local_segment=local_segment, local_offset=offset,
-                   local_device=local_device, chain=chain)
+                   local_device=local_device, chain=chain, capability=capability)
 
     def _dispatch(self, jobs: Iterable[Job]) -> None:
         """Hand each job to the first transport of its remaining chain that the breaker allows."""

@@ -53,6 +53,7 @@ from daybreak.agent.transfer.control import (
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
 from daybreak.errors import DaybreakError
 from daybreak.pool.admission import Admission, Caps
+from daybreak.pool.credentials import ADMIN
 from daybreak.pool.sockets import Stream, recv_exact_into, send_all
 from daybreak.pool.tls import TlsContexts
 
@@ -78,6 +79,7 @@ class _Piece:
     segment: int  # remote tcp handle
     offset: int  # remote offset
     crc: int = 0
+    capability: bytes = b""  # the job's grant: covers every piece of it
 
 
 @dataclass(slots=True)
@@ -166,7 +168,7 @@ def _slice(jobs: Sequence[Job], *, slice_bytes: int, checksum: bool) -> list[_Fr
             job.state = 0  # pieces still outstanding
             for start in range(0, job.length, slice_bytes):
                 view = job.view[start:start + slice_bytes]
-                piece = _Piece(job, view, handle, job.remote_offset + start)
+                piece = _Piece(job, view, handle, job.remote_offset + start, capability=job.capability)
                 if checksum and op is Op.WRITE:
                     piece.crc = crc32c.crc32c(view)
                 job.state += 1
@@ -410,10 +412,14 @@ class _Conn:
         frame_id = next(_Conn._ids)
         kind = wire.FrameType.WRITE if frame.op is Op.WRITE else wire.FrameType.READ
         extents = [wire.Extent(p.segment, p.offset, p.view.nbytes, p.crc) for p in frame.pieces]
+        # A frame with any capability carries the table (one entry per extent, empty for none).
+        caps = wire.pack_capabilities([p.capability for p in frame.pieces]) \
+            if any(p.capability for p in frame.pieces) else b""
         head = wire.pack_header(kind, frame_id=frame_id, count=len(extents),
                                 payload_len=frame.nbytes if frame.op is Op.WRITE else 0,
-                                flags=wire.FLAG_CRC if checksum else 0)
-        buffers: list[Any] = [head + wire.pack_extents(extents)]
+                                flags=(wire.FLAG_CRC if checksum else 0) | (wire.FLAG_CAPS if caps else 0),
+                                caps_len=len(caps))
+        buffers: list[Any] = [head + wire.pack_extents(extents) + caps]
         if frame.op is Op.WRITE:
             buffers.extend(p.view for p in frame.pieces)
         with self.lock:
@@ -627,6 +633,7 @@ class _ServerConn:
         # a header and the first extent usually arrive together: read both in one call
         self.head = memoryview(bytearray(2 * wire.HEADER.size))
         self.spill = memoryview(b"")  # bytes read past a header, handed out before the socket's
+        self.claim = ""  # the scope the peer proved in the handshake: what its capabilities must be granted to
 
     def _next_header(self) -> wire.Header:
         if len(self.spill) >= wire.HEADER.size:
@@ -654,9 +661,10 @@ class _ServerConn:
             recv_exact_into(self.sock, view[take:])
 
     def run(self) -> None:
-        server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
-                         engine_id=self.host.engine_id, token=self.host.token, peer=self.peer, sock=self.sock,
-                         deadline=self.deadline)
+        hello = server_handshake(next_header=self._next_header, read=self._message, send=self.sock.sendall,
+                                 engine_id=self.host.engine_id, key_for=self.host.handshake_key, peer=self.peer,
+                                 sock=self.sock, deadline=self.deadline)
+        self.claim = hello.scope
         if self._authenticated is not None:
             self._authenticated(self.sock)
         # Every read and send from here on gets idle_seconds: a peer that stops sending (or reading) mid-frame
@@ -697,15 +705,28 @@ class _ServerConn:
         extents = wire.parse_extents(table, hdr.count, payload_len=payload_len)
         if sum(e.length for e in extents) > wire.MAX_PAYLOAD:
             raise wire.MalformedFrame("extents add up to more than a frame may carry")
+        caps = [b""] * len(extents)
+        if hdr.flags & wire.FLAG_CAPS:
+            raw = bytearray(hdr.caps_len)
+            self._recv_into(memoryview(raw))
+            caps = wire.parse_capabilities(raw, hdr.count)
+        write = hdr.type is wire.FrameType.WRITE
         views: list[memoryview] = []
         staged: list[tuple[Any, int, memoryview]] = []
-        for extent in extents:
+        for extent, capability in zip(extents, caps, strict=True):
             segment: LocalSegment | None = self.host.served_segment(extent.segment)
             if segment is None:
                 return extents, [], [], f"unknown segment {extent.segment} (unregistered or engine restarted)"
             if extent.offset + extent.length > segment.size:
                 return extents, [], [], (f"range {extent.offset}+{extent.length} outside segment "
                                          f"{segment.segment_id} of {segment.size} bytes")
+            # Before a byte lands or leaves: an agent's engine wants a capability for every extent.
+            refused = self.host.authorize(segment, offset=extent.offset, length=extent.length, write=write,
+                                          capability=capability, claim=self.claim)
+            if refused:
+                log.warning("tcp one-sided request refused peer=%s scope=%s segment=%s reason=%r", self.peer,
+                            self.claim, segment.segment_id, refused)
+                return extents, [], [], f"not authorized: {refused}"
             if segment.buffer is not None:
                 views.append(segment.buffer[extent.offset:extent.offset + extent.length])
             elif self.host.runtime is not None and segment.device is not None:
@@ -767,6 +788,12 @@ class _ServerConn:
         rdma = self.host.find_transport("rdma")
         if rdma is None:
             self._error(hdr.frame_id, "rdma is not enabled on this engine")
+            return
+        if self.host.checks_capabilities and self.claim != ADMIN:
+            # A queue pair reaches whole registered regions through the NIC, past any per-request check:
+            # until grants map to memory windows, only the pool secret gets one (the client falls back to tcp).
+            self._error(hdr.frame_id, f"rdma connect refused: scope {self.claim} reaches this agent's segments "
+                                      "only through capability-checked tcp (docs/security.md)")
             return
         try:
             answer = rdma.accept(json.loads(request))

@@ -72,12 +72,12 @@ class RemoteSegment:
 class Job:
     """One request on its way: the resolved local view, its fallback chain and where in it it is."""
 
-    __slots__ = ("attempts", "batch", "bounce", "chain", "errors", "index", "length", "local_device",
+    __slots__ = ("attempts", "batch", "bounce", "capability", "chain", "errors", "index", "length", "local_device",
                  "local_offset", "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
 
     def __init__(self, *, batch: BatchHandle, index: int, op: Op, remote: RemoteSegment, remote_offset: int,
                  length: int, view: memoryview | None, local_segment: LocalSegment | None, local_offset: int,
-                 local_device: DeviceMemory | None, chain: tuple[str, ...]) -> None:
+                 local_device: DeviceMemory | None, chain: tuple[str, ...], capability: bytes = b"") -> None:
         self.batch = batch
         self.index = index
         self.op = op
@@ -89,6 +89,7 @@ class Job:
         self.local_offset = local_offset
         self.local_device = local_device
         self.chain = chain
+        self.capability = capability  # the peer's grant for this request (tcp carries it), b'' for none
         self.pos = 0
         self.attempts = 0
         self.errors: list[str] = []
@@ -181,6 +182,20 @@ class TransportHost(Completion, Protocol):
 
     def find_transport(self, name: str) -> Transport | None:
         """Another transport of the same engine (the tcp server hands RDMA_CONNECT to rdma)."""
+        ...
+
+    def handshake_key(self, claim: str) -> bytes | None:
+        """The key a peer claiming scope ``claim`` must prove in the tcp handshake; None refuses the claim."""
+        ...
+
+    @property
+    def checks_capabilities(self) -> bool:
+        """Whether this engine's servers check a capability per request (an agent's engine)."""
+        ...
+
+    def authorize(self, segment: LocalSegment, *, offset: int, length: int, write: bool, capability: bytes,
+                  claim: str) -> str:
+        """'' when a peer scoped to ``claim`` may READ/WRITE the range of ``segment``; else why not."""
         ...
 
 
