@@ -22,6 +22,7 @@ from daybreak.agent.store.server import StoreServer
 from daybreak.agent.transfer import TransferEngine
 from daybreak.client import KVPoolClient
 from daybreak.pool import shm as pool_shm
+from daybreak.pool.credentials import namespace_credential
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 MiB = 1 << 20
@@ -103,6 +104,26 @@ def test_a_failing_shm_path_falls_back_to_tcp_and_the_bytes_are_counted(pool: di
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
         assert engine.bytes_fell_back.get(("shm", "tcp"), 0) > 0  # nothing fell back silently
         assert engine.bytes_used.get("tcp", 0) > 0
+
+
+def test_an_engine_holding_only_its_namespace_credential_moves_blocks_over_tcp_by_capability(
+        pool: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22: the one-sided path needs no pool secret. The engine pod's engine proves the deployment's
+    namespace credential to the agent's engine, and every tcp READ/WRITE carries the capability XLOCATE or
+    XALLOC granted for that block: byte-exact both ways, every byte over tcp (shm cannot map here)."""
+    agent = _agent(pool)
+    cred = namespace_credential(_token(pool).encode(), "ns")
+    data = _blocks(4)
+    keys = [f"c{i}" for i in range(len(data))]
+    monkeypatch.setattr(pool_shm, "SHM_DIR", tmp_path / "no-shm-here")
+    with TransferEngine(token=cred) as engine, \
+            KVPoolClient([agent.address], token=cred, namespace="ns", engine=engine) as c:
+        assert c.batch_put(keys, data) == [1] * len(keys)
+        out = [np.zeros(n, np.uint8) for n in SIZES]
+        assert c.batch_get_into(keys, out) == SIZES
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert engine.bytes_used.get("tcp", 0) == 2 * sum(SIZES)  # nothing went by the store's stream instead
+    assert "tcp one-sided request refused" not in agent.log
 
 
 @pytest.fixture(scope="module")

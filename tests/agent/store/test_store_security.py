@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -20,12 +21,17 @@ from pathlib import Path
 
 import pytest
 
+from daybreak.agent.transfer import wire
+from daybreak.agent.transfer.control import client_handshake, dial, parse_endpoint
+from daybreak.agent.transfer.descriptor import SegmentDescriptor
 from daybreak.client import KVPoolAuthorizationError, KVPoolClient
+from daybreak.pool import capability
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection, RemoteError, parse_address
 from daybreak.pool.credentials import agent_credential, namespace_credential
 from daybreak.pool.shm import SHM_DIR
+from daybreak.pool.sockets import recv_exact
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 
@@ -567,3 +573,124 @@ def test_reserving_past_the_tier_evicts_live_victims_and_returns_none_of_their_b
     print(f"48 MiB reserved on a 64 MiB tier: {40 - live} of 40 victim blocks evicted, {published} attacker "
           f"blocks published, {leaked} held victim bytes")
     assert leaked == 0
+
+
+# -- issue 22 finding 5: one-sided access needs a capability, and no pool secret ------------------------------
+
+class OneSided:
+    """A raw connection to an agent's transfer-engine tcp server, speaking ``agent/transfer/wire`` by hand."""
+
+    def __init__(self, endpoint: str, token: str) -> None:
+        self.sock = dial(parse_endpoint(endpoint, field_name="endpoint"), timeout_s=10, tls=None)
+        self.sock.settimeout(10)
+        client_handshake(self.sock, engine_id="test-peer", token=token)
+        self.ids = itertools.count(1)
+
+    def request(self, kind: wire.FrameType, handle: int, offset: int, length: int, capability: bytes | None,
+                payload: bytes = b"") -> tuple[wire.FrameType, bytes]:
+        """One READ or WRITE of one extent; (answer type, data or error text)."""
+        caps = wire.pack_capabilities([capability]) if capability is not None else b""
+        head = wire.pack_header(kind, frame_id=next(self.ids), count=1, payload_len=len(payload),
+                                flags=wire.FLAG_CAPS if capability is not None else 0, caps_len=len(caps))
+        self.sock.sendall(head + wire.pack_extents([wire.Extent(handle, offset, length)]) + caps + payload)
+        hdr = wire.parse_header(recv_exact(self.sock, wire.HEADER.size))
+        if hdr.type is wire.FrameType.DATA:
+            recv_exact(self.sock, hdr.count * wire.EXTENT.size)
+        return hdr.type, bytes(recv_exact(self.sock, hdr.payload_len)) if hdr.payload_len else b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _engine_segment(conn: Connection) -> SegmentDescriptor:
+    [dram] = [SegmentDescriptor.from_json(e.descriptor) for e in conn.segments() if e.tier == 0]
+    return dram
+
+
+def test_one_sided_reads_and_writes_need_a_capability_for_exactly_that_extent(pool: dict[str, object]) -> None:
+    agent = start(pool, extra=["--lease-seconds", "2"])
+    cred = {ns: namespace_credential(secret(pool), ns) for ns in ("victim", "attacker")}
+    size = 64 << 10
+    victim = Connection(agent.address, token=cred["victim"].encode())
+    secret_block = _victim_blocks(1, size)[0]
+    assert victim.put(["victim/b"], [memoryview(secret_block)], [crc32c(secret_block)])[0].status == p.Status.OK
+    mine = os.urandom(size)
+    attacker = Connection(agent.address, token=cred["attacker"].encode())
+    assert attacker.put(["attacker/a"], [memoryview(mine)], [crc32c(mine)])[0].status == p.Status.OK
+    seg = _engine_segment(attacker)
+    READ, WRITE, DATA, ACK, ERROR = (wire.FrameType.READ, wire.FrameType.WRITE, wire.FrameType.DATA,
+                                     wire.FrameType.ACK, wire.FrameType.ERROR)
+
+    # The engine pod proves its namespace credential: no pool secret anywhere in this test.
+    engine = OneSided(seg.tcp_endpoint, cred["attacker"])
+    located = attacker.xlocate(["attacker/a"])
+    [info], read_cap = located.blocks, located.capability(0)
+    assert info.where == seg.segment_id and len(read_cap) == capability.SIZE
+    assert engine.request(READ, seg.tcp_handle, info.offset, size, read_cap) == (DATA, mine)  # the normal path
+    assert engine.request(READ, seg.tcp_handle, info.offset + 4096, 4096, read_cap)[0] is DATA  # inside: fine
+
+    refusals = {
+        "no capability": (READ, info.offset, size, None),
+        "an empty capability": (READ, info.offset, size, b""),
+        "another offset range": (READ, 0 if info.offset else size, size, read_cap),
+        "a range past its end": (READ, info.offset, size + 4096, read_cap),
+        "a forged MAC": (READ, info.offset, size, read_cap[:-1] + bytes([read_cap[-1] ^ 1])),
+        "a widened range": (READ, 0, seg.size, _widened(read_cap, offset=0, length=seg.size)),
+        "a WRITE with a READ grant": (WRITE, info.offset, size, read_cap),
+    }
+    for what, (kind, offset, length, cap) in refusals.items():
+        answer, text = engine.request(kind, seg.tcp_handle, offset, length, cap,
+                                      payload=b"x" * length if kind is WRITE else b"")
+        assert answer is ERROR and b"not authorized" in text, (what, answer, text[:200])
+        print(f"one-sided {kind.name} with {what}: refused ({text.decode()[:90]})")
+    # Another namespace's connection cannot spend the attacker's capability; the pool secret needs one too.
+    other = OneSided(seg.tcp_endpoint, cred["victim"])
+    assert other.request(READ, seg.tcp_handle, info.offset, size, read_cap)[0] is ERROR
+    admin_engine = OneSided(seg.tcp_endpoint, secret(pool).decode())
+    assert admin_engine.request(READ, seg.tcp_handle, 0, seg.size, None)[0] is ERROR
+    # Revoked: RELEASE ends the lease, and with it the capability, before its expiry.
+    attacker.release(located.lease_id)
+    attacker.exists(["attacker/a"])  # RELEASE has no reply: a round trip on the same connection orders it first
+    answer, text = engine.request(READ, seg.tcp_handle, info.offset, size, read_cap)
+    assert answer is ERROR and b"revoked" in text, text
+    # Expired: a lease nobody released, past --lease-seconds.
+    late = attacker.xlocate(["attacker/a"])
+    time.sleep(3.5)
+    answer, text = engine.request(READ, seg.tcp_handle, late.blocks[0].offset, size, late.capability(0))
+    assert answer is ERROR and (b"expired" in text or b"revoked" in text), text
+
+    # WRITE: the reservation's capability lands bytes; COMMIT revokes it.
+    new = os.urandom(size)
+    reserved = attacker.xalloc(["attacker/w"], [size], [crc32c(new)])
+    write_cap = reserved.capability(0)
+    [slot] = reserved.blocks
+    assert engine.request(READ, seg.tcp_handle, slot.offset, size, write_cap)[0] is ERROR  # WRITE grants no READ
+    assert engine.request(WRITE, seg.tcp_handle, slot.offset, size, write_cap, payload=new)[0] is ACK
+    assert attacker.commit(reserved.lease_id)[0].status == p.Status.OK
+    assert engine.request(WRITE, seg.tcp_handle, slot.offset, size, write_cap, payload=bytes(size))[0] is ERROR
+    out = bytearray(size)
+    assert attacker.get_into(["attacker/w"], [memoryview(out)])[0].status == p.Status.OK and bytes(out) == new
+
+    # A malformed frame closes that connection only; the others keep being served.
+    bad = OneSided(seg.tcp_endpoint, cred["attacker"])
+    bad.sock.sendall(b"\x00" * wire.HEADER.size)
+    assert bad.sock.recv(1) == b""
+    bad.close()
+    fresh = attacker.xlocate(["attacker/a"])
+    assert engine.request(READ, seg.tcp_handle, fresh.blocks[0].offset, size, fresh.capability(0)) == (DATA, mine)
+    attacker.release(fresh.lease_id)
+    for c in (engine, other, admin_engine):
+        c.close()
+    # The victim's block was never touched.
+    out = bytearray(size)
+    assert victim.get_into(["victim/b"], [memoryview(out)])[0].status == p.Status.OK and bytes(out) == secret_block
+    victim.close()
+    attacker.close()
+    assert agent.wait_log("tcp one-sided request refused"), agent.log[-2000:]
+
+
+def _widened(cap: bytes, *, offset: int, length: int) -> bytes:
+    """The capability with its range rewritten (and its MAC left as it was): what a forger would try."""
+    body = bytearray(cap)
+    struct.pack_into("!QQ", body, 20, offset, length)
+    return bytes(body)
