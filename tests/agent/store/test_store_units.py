@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from daybreak.agent.store.alloc import ALIGN, Arena
 from daybreak.agent.store.engine import BlockStore, Reservation, StoreConfig
 from daybreak.agent.store.eviction import LRU, S3FIFO, make_policy
+from daybreak.pool import capability
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import _slow_crc32c, crc32c
 from daybreak.pool.placement import rank
@@ -230,3 +232,53 @@ def test_agent_cli_needs_a_token_file_standalone() -> None:
     out = subprocess.run([sys.executable, "-m", "daybreak", "agent", "--standalone"], capture_output=True,
                          text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
     assert out.returncode == 2 and "--token-file: required with --standalone" in out.stderr
+
+
+def test_a_capability_covers_one_range_of_one_segment_for_one_scope_until_its_grant_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool/capability.py: every field is bound by the MAC; a second agent process cannot verify the first's."""
+    authority = capability.Authority()
+    live = {7}
+    now = time.monotonic()
+    raw = authority.mint(segment_id="e1/dram-0", offset=4096, length=8192, rights=capability.READ, grant=7,
+                         expires=now + 10, claim="ns:team-a")
+    assert len(raw) == capability.SIZE
+
+    def check(cap: bytes | None = raw, **kw: object) -> str:
+        args: dict[str, object] = {"segment_id": "e1/dram-0", "offset": 4096, "length": 8192,
+                                   "right": capability.READ, "claim": "ns:team-a",
+                                   "live": lambda grant, right: grant in live, **kw}
+        return authority.check(cap, **args)  # type: ignore[arg-type]
+
+    assert check() == "" and check(offset=8192, length=4096) == ""
+    assert check(claim="admin") == ""  # the pool secret may spend anyone's capability
+    refused = {
+        "no capability": check(None),
+        "another segment": check(segment_id="e1/dram-1"),
+        "outside the capability": check(offset=0),
+        "grants READ only": check(right=capability.WRITE),
+        "another scope": check(claim="ns:team-b"),
+        "MAC does not verify": capability.Authority().check(
+            raw, segment_id="e1/dram-0", offset=4096, length=8192, right=capability.READ, claim="ns:team-a",
+            live=lambda grant, right: True),
+        "not 68 bytes": check(raw[:-1]),
+    }
+    for reason, got in refused.items():
+        assert reason in got, (reason, got)
+    live.clear()
+    assert "revoked" in check()
+    live.add(7)
+    monkeypatch.setattr(capability.time, "monotonic", lambda: now + 11)
+    assert "expired" in check()
+
+
+def test_blocks_reply_carries_one_capability_per_block_or_none() -> None:
+    infos = [p.BlockInfo(p.Status.OK, 10, 1, "e1/dram-0", 4096), p.BlockInfo(p.Status.MISS)]
+    reply = p.BlocksReply.decode(p.BlocksReply(infos, 9, [b"c" * 68, b""]).encode())
+    assert reply.capabilities == [b"c" * 68, b""] and reply.capability(0) == b"c" * 68 and reply.lease_id == 9
+    assert p.BlocksReply.decode(p.BlocksReply(infos).encode()).capability(1) == b""
+    raw = bytearray(p.BlocksReply(infos, 9, [b"c" * 68, b""]).encode())
+    struct_at = raw.rfind((2).to_bytes(4, "little"))  # the capability count: one for two blocks is malformed
+    raw[struct_at:struct_at + 4] = (1).to_bytes(4, "little")
+    with pytest.raises(p.ProtocolError):
+        p.BlocksReply.decode(raw)

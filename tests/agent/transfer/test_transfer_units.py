@@ -53,6 +53,26 @@ def test_extents_must_add_up_to_the_payload() -> None:
         wire.parse_extents(raw, 2, payload_len=17)
 
 
+def test_capability_table_round_trips_and_a_table_that_does_not_add_up_is_malformed() -> None:
+    caps = [b"c" * 68, b"", b"d" * 3]
+    raw = wire.pack_capabilities(caps)
+    assert wire.parse_capabilities(raw, 3) == caps
+    head = wire.pack_header(wire.FrameType.READ, frame_id=1, count=3, flags=wire.FLAG_CAPS, caps_len=len(raw))
+    assert wire.parse_header(head).caps_len == len(raw)
+    for message, (table, count) in {
+        "table truncated at entry 2": (raw[:-5], 3),
+        "does not fit the table": (raw[:-1], 3),
+        "1 bytes after the last capability": (raw + b"x", 3),
+    }.items():
+        with pytest.raises(wire.MalformedFrame, match=message):
+            wire.parse_capabilities(table, count)
+    with pytest.raises(wire.MalformedFrame, match="cannot hold 3 capabilities"):
+        wire.parse_header(wire.pack_header(wire.FrameType.READ, frame_id=1, count=3, flags=wire.FLAG_CAPS,
+                                           caps_len=1 << 20))
+    with pytest.raises(wire.MalformedFrame, match="without FLAG_CAPS"):
+        wire.parse_header(wire.pack_header(wire.FrameType.WRITE, frame_id=1, count=1, caps_len=70))
+
+
 # -- descriptors -----------------------------------------------------------------------------------
 def test_descriptor_is_small_and_round_trips() -> None:
     d = SegmentDescriptor(segment_id="e1/kv", engine_id="e1", node="n1", size=1 << 30, shm_name="kv",
