@@ -77,6 +77,9 @@ class KVPoolClient:
     ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started) to move bytes
     one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
     needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
+    Give the engine the same credential as ``token`` (``TransferEngine(token=...)``): the agents'
+    engines admit a namespace credential and check, per request, the capability the agent granted
+    for that block, so no pool secret is needed on the one-sided path.
     """
 
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,

@@ -157,12 +157,14 @@ class Connection:
         return p.SegmentsReply.decode(raw).segments
 
     def xlocate(self, keys: Sequence[str], *, flags: int = 0) -> p.BlocksReply:
-        """Engine read: (segment id, offset) per key plus a lease id to RELEASE after the transfer."""
+        """Engine read: (segment id, offset) per key, a lease id to RELEASE after the transfer, and a READ
+        capability per block (``BlocksReply.capability(i)``) for the engine to send with its request."""
         return self._blocks(p.Op.XLOCATE, p.KeysRequest(list(keys)).encode(), flags=flags)
 
     def xalloc(self, keys: Sequence[str], sizes: Sequence[int], checksums: Sequence[int], *, tier: int = 0,
                pin_seconds: int = 0, agent_crc: bool = False) -> p.BlocksReply:
-        """Engine write: reserve space; transfer into the returned (segment id, offset), then COMMIT."""
+        """Engine write: reserve space (zeroed by the agent); transfer into the returned (segment id, offset)
+        with the block's WRITE capability (``BlocksReply.capability(i)``), then COMMIT (which revokes it)."""
         meta = p.PutRequest(list(keys), list(sizes), list(checksums), pin_seconds, tier).encode()
         return self._blocks(p.Op.XALLOC, meta, flags=p.FLAG_AGENT_CRC if agent_crc else 0)
 
