@@ -31,7 +31,7 @@ from daybreak.agent.store.engine import (
 )
 from daybreak.agent.store.eviction import FairShare
 from daybreak.agent.store.metrics import NAMESPACE_SERIES, OTHER_NAMESPACES
-from daybreak.client import KVPoolClient, KVPoolError
+from daybreak.client import KVPoolClient, KVPoolError, KVPoolQuotaError
 from daybreak.pool import protocol as p
 from daybreak.pool.admission import Admission, Caps
 from daybreak.pool.checksum import crc32c
@@ -371,6 +371,10 @@ def test_long_pins_leave_the_victim_its_working_set(pool: dict[str, Any]) -> Non
     assert held >= WORKING_SET // 2
     assert errors and all("quota exceeded" in e and "pinned quota" in e for e in errors)
     assert pinned <= 16
+    # Through the client library: a quota refusal is its own error, and the agent is not taken for down.
+    with pytest.raises(KVPoolQuotaError, match="maxPinSeconds"):
+        victim.batch_put(["hot"], [b"h" * 4096], pin_seconds=2**32 - 1)
+    assert victim.batch_put(["hot"], [b"h" * 4096], pin_seconds=60) == [1]
     conn.close()
     victim.close()
 
