@@ -305,16 +305,16 @@ class Service:
         or pins (any write with ``pin_seconds``), so the engine ops in ``datapath`` are covered too.
         A PUT's own reservations are not held: they last one request, under its io deadline.
         """
+        # By field, not request class: the engine ops' requests may grow (datapath.py) and still carry these.
         op = header.op
+        keys: list[str] = list(getattr(request, "keys", None) or [])
         if op in (p.Op.LOCATE, p.Op.XLOCATE):
-            assert isinstance(request, p.KeysRequest)
-            self.store.admit(lease=request.keys)
+            self.store.admit(lease=keys)
         elif op in (p.Op.ALLOC, p.Op.XALLOC, p.Op.PUT):
-            assert isinstance(request, p.AllocRequest | p.PutRequest)
-            tier = "hbm" if isinstance(request, p.PutRequest) and request.tier == 1 else "dram"
-            items = list(zip(request.keys, request.sizes, strict=True))
-            self.store.admit(reserve=items if op != p.Op.PUT else (), pin=items if request.pin_seconds else (),
-                             tier=tier, pin_seconds=request.pin_seconds)
+            items = list(zip(keys, getattr(request, "sizes", None) or [], strict=True))
+            pin_seconds = int(getattr(request, "pin_seconds", 0) or 0)
+            self.store.admit(reserve=items if op != p.Op.PUT else (), pin=items if pin_seconds else (),
+                             tier="hbm" if getattr(request, "tier", 0) == 1 else "dram", pin_seconds=pin_seconds)
 
     def _authorize(self, header: p.Header, request: object) -> None:
         """The connection's scope decides: pool-peer ops and flags need a peer credential, keys their namespace."""
