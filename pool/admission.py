@@ -104,16 +104,18 @@ class Admission:
             if host is not None:
                 self._preauth[new] = host
 
-    def authenticated(self, conn: Any, *, credential: str | None = None) -> bool:
-        """The handshake is done: ``conn`` leaves the handshake caps (still counts against the others).
-
-        With ``credential`` (the scope it proved), it also counts against that credential's cap; False
-        when the cap is reached: the caller answers with the reason and closes it (``release`` as usual).
-        """
+    def authenticated(self, conn: Any) -> None:
+        """The handshake is done: ``conn`` no longer counts against the handshake caps (still against the others)."""
         with self._lock:
             self._preauth.pop(conn, None)
-            if credential is None:
-                return True
+
+    def admit_credential(self, conn: Any, credential: str) -> bool:
+        """Count an authenticated ``conn`` against ``credential`` (the scope it proved); False past the cap.
+
+        On False the caller answers with the reason and closes it (``release`` as usual). Call once per
+        connection, after ``authenticated``, for the credentials the server caps.
+        """
+        with self._lock:
             if self._per_credential[credential] >= self.caps.max_connections_per_credential:
                 refused = True
             else:

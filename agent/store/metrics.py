@@ -69,8 +69,8 @@ class StoreMetrics:
                 for i, value in enumerate(values):
                     row[i] += value
         self.namespace_bytes.clear()  # namespaces that left drop out instead of staying at their last value
-        for (tier, ns), values in rows.items():
-            for kind, value in zip(("stored", "held", "pinned"), values, strict=True):
+        for (tier, ns), row_values in rows.items():
+            for kind, value in zip(("stored", "held", "pinned"), row_values, strict=True):
                 self.namespace_bytes.labels(tier=tier, namespace=ns, kind=kind).set(value)
 
     def moved(self, transport: str, op: str, nbytes: int) -> None:

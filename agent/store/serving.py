@@ -223,8 +223,8 @@ class Service:
                 return
             scope = Scope.parse_claim(hello.scope)
             assert scope is not None  # server_accept refuses unknown scopes
-            if not self.admission.authenticated(conn, credential=scope.claim if scope.role == credentials.NAMESPACE
-                                                 else None):
+            self.admission.authenticated(conn)
+            if scope.role == credentials.NAMESPACE and not self.admission.admit_credential(conn, scope.claim):
                 self.store.metrics.quota_refusals.labels(quota="connections").inc()
                 self.store.metrics.rejected.labels(reason="credential_cap").inc()
                 self._error(conn, channel.request_id, (

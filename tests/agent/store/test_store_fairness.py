@@ -187,15 +187,16 @@ def test_connections_are_capped_per_credential_and_freed_on_close() -> None:
         conns = [a for a, _ in pairs]
         for conn in conns:
             assert admission.admit(conn, "127.0.0.1")
-        assert admission.authenticated(conns[0], credential="ns:a")
-        assert admission.authenticated(conns[1], credential="ns:a")
-        assert not admission.authenticated(conns[2], credential="ns:a")  # the third of one credential
-        assert admission.authenticated(conns[3], credential="ns:b")
-        assert admission.authenticated(conns[2])  # the pool's own credentials are not capped
+        for conn in conns:
+            admission.authenticated(conn)
+        assert admission.admit_credential(conns[0], "ns:a")
+        assert admission.admit_credential(conns[1], "ns:a")
+        assert not admission.admit_credential(conns[2], "ns:a")  # the third of one credential
+        assert admission.admit_credential(conns[3], "ns:b")
         admission.release("127.0.0.1", conns[0])
         fresh, other = socket.socketpair()
         pairs.append((fresh, other))
-        assert admission.admit(fresh, "127.0.0.1") and admission.authenticated(fresh, credential="ns:a")
+        assert admission.admit(fresh, "127.0.0.1") and admission.admit_credential(fresh, "ns:a")
     finally:
         for a, b in pairs:
             a.close()
