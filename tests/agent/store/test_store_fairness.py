@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from daybreak.agent.settings import AgentSettings
 from daybreak.agent.store.engine import (
@@ -262,8 +264,22 @@ def attacker_put(conn: Connection, keys: list[str], *, pin_seconds: int = 0) -> 
     return [i.status for i in infos]
 
 
+def namespace_metrics(metrics_port: int) -> dict[tuple[str, ...], float]:
+    """The agent's per-namespace gauges and quota refusals, from its /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    out: dict[tuple[str, ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "daybreak_store_namespace_bytes":
+                out[(sample.labels["namespace"], sample.labels["kind"])] = sample.value
+            elif sample.name == "daybreak_store_quota_refusals_total":
+                out[("refused", sample.labels["quota"])] = sample.value
+    return out
+
+
 def test_kept_renewed_leases_of_one_namespace_leave_the_victim_its_working_set(pool: dict[str, Any]) -> None:
-    agent = start(pool)
+    metrics_port = free_port()
+    agent = start(pool, extra=["--metrics-port", str(metrics_port)])
     victim, keys = victim_writes_its_working_set(agent, pool)
     evil = credential(pool, "evil").encode()
     conns = [Connection(agent.address, token=evil) for _ in range(4)]
@@ -309,6 +325,17 @@ def test_kept_renewed_leases_of_one_namespace_leave_the_victim_its_working_set(p
     assert held >= WORKING_SET // 2
     assert refused and all("quota exceeded" in e and "held quota" in e and "'evil'" in e for e in errors)
     assert xlocate_refused
+    # The usage per namespace is on /metrics (published every maintenance tick).
+    deadline = time.monotonic() + 10
+    seen = namespace_metrics(metrics_port)
+    while seen.get(("evil", "held"), 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen = namespace_metrics(metrics_port)
+    print(f"metrics: evil held={seen.get(('evil', 'held'))} stored={seen.get(('evil', 'stored'))}, victim "
+          f"stored={seen.get(('victim', 'stored'))}, refusals held={seen.get(('refused', 'held'))}")
+    assert 0 < seen[("evil", "held")] <= 32 * MiB
+    assert seen[("victim", "stored")] >= WORKING_SET // 2 * MiB
+    assert seen[("refused", "held")] >= refused
     for conn in conns:
         conn.close()
     victim.close()
