@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-seconds", type=float, help="deadline of a request's body or reply")
     parser.add_argument("--max-connections", type=int, help="connections per tcp server (store, transfer engine)")
     parser.add_argument("--max-connections-per-address", type=int, help="connections per client address, per tcp server")
+    parser.add_argument("--max-connections-per-credential", type=int,
+                        help="authenticated store connections per namespace credential")
+    parser.add_argument("--namespace-held-fraction", type=float,
+                        help="fraction of a tier one kvNamespace may hold under leases and reservations")
+    parser.add_argument("--namespace-pinned-fraction", type=float,
+                        help="fraction of a tier one kvNamespace may hold pinned")
+    parser.add_argument("--max-pin-seconds", type=int, help="longest soft pin a writer may ask for")
     parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers idle this long")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
@@ -101,6 +108,9 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
         "handshake_seconds": args.handshake_seconds, "idle_seconds": args.idle_seconds,
         "io_seconds": args.io_seconds, "max_connections": args.max_connections,
         "max_connections_per_address": args.max_connections_per_address, "orphan_seconds": args.orphan_seconds,
+        "max_connections_per_credential": args.max_connections_per_credential,
+        "namespace_held_fraction": args.namespace_held_fraction,
+        "namespace_pinned_fraction": args.namespace_pinned_fraction, "max_pin_seconds": args.max_pin_seconds,
         **sizes,
     }
     settings = AgentSettings.load(config_file=args.config, overrides=overrides)
@@ -145,7 +155,7 @@ def load_token(path: str) -> bytes:
 
 def build_store(settings: AgentSettings, *, token: bytes) -> Any:
     """The node's BlockStore and its StoreServer, not yet started."""
-    from daybreak.agent.store.engine import BlockStore, StoreConfig
+    from daybreak.agent.store.engine import BlockStore, Quotas, StoreConfig
     from daybreak.agent.store.server import StoreServer
     from daybreak.agent.store.serving import Limits
     from daybreak.agent.store.tiers import HbmTier, reclaim_orphans, slug
@@ -170,7 +180,9 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         prefix=prefix, dram_bytes=settings.dram_bytes,
         ssd_path=str(Path(settings.ssd_path) / slug(address)) if settings.ssd_path else "",
         ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
-        low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm))
+        low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm,
+        quotas=Quotas(held_fraction=settings.namespace_held_fraction,
+                      pinned_fraction=settings.namespace_pinned_fraction, max_pin_seconds=settings.max_pin_seconds)))
     store.open()
     datapath = start_datapath(settings, store=store, token=token, runtime=runtime) if settings.store_transfer else None
     tls = settings.tls()  # one cert for both tcp paths: the store's listener and the transfer engine's
@@ -178,7 +190,8 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
                          peers=settings.peers, replicas=settings.replicas, lease_seconds=settings.lease_seconds,
                          limits=Limits(handshake_seconds=settings.handshake_seconds, idle_seconds=settings.idle_seconds,
                                        io_seconds=settings.io_seconds, max_connections=settings.max_connections,
-                                       max_connections_per_address=settings.max_connections_per_address),
+                                       max_connections_per_address=settings.max_connections_per_address,
+                                       max_connections_per_credential=settings.max_connections_per_credential),
                          tls=tls.server if tls else None,
                          peer_tls=tls.client if tls else None, datapath=datapath)
     return server

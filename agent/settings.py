@@ -70,6 +70,15 @@ class AgentSettings(BaseModel):
                                  "transfer engine's each; pool.admission)")
     max_connections_per_address: int = Field(256, ge=1, description="connections per client address, per tcp "
                                              "server")
+    max_connections_per_credential: int = Field(128, ge=1, description="authenticated store connections per "
+                                                "namespace credential (the pool secret and agent credential are "
+                                                "not capped); keep well below max_connections")
+    namespace_held_fraction: float = Field(0.5, gt=0, le=1, description="per kvNamespace: the fraction of a tier "
+                                           "it may hold under leases and uncommitted reservations")
+    namespace_pinned_fraction: float = Field(0.25, gt=0, le=1, description="per kvNamespace: the fraction of a "
+                                             "tier it may hold pinned")
+    max_pin_seconds: int = Field(600, ge=0, description="longest soft pin a writer may ask for; a longer one is "
+                                 "refused with a quota error")
     tls_cert_file: str = Field("", description="PEM certificate both tcp servers (the store's and the transfer "
                                "engine's) serve TLS with, and then require; empty: plain tcp")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

@@ -160,6 +160,24 @@ class TLSSpec(ApiModel):
     addresses (agents use the host network) and the agents' Service name."""
 
 
+class Quotas(ApiModel):
+    """What one kvNamespace may hold in each agent, so that one tenant cannot lock the others out.
+
+    Counted per agent and tier by the namespace a key belongs to; a request past a quota is
+    refused with an error naming it (docs/store.md "Fair share"). Eviction also takes from the
+    namespace furthest over its share of a tier first (the tier divided by the namespaces in it)."""
+
+    held_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Fraction of a tier one namespace may hold under readers' leases and uncommitted reservations."""
+    pinned_fraction: float = Field(default=0.25, gt=0, le=1)
+    """Fraction of a tier one namespace may hold soft-pinned."""
+    max_pin_seconds: int = Field(default=600, ge=0, le=86400)
+    """Longest soft pin a writer may ask for; a longer one is refused."""
+    max_connections_per_credential: int = Field(default=128, ge=1, le=65536)
+    """Authenticated store connections per namespace credential on each agent (a deployment's
+    engines share one credential and keep one connection per agent each)."""
+
+
 class AgentSpec(ApiModel):
     """The node agent DaemonSet."""
 
@@ -192,6 +210,8 @@ class KVPoolSpec(ApiModel):
     """Pool token; generated when absent."""
     tls: TLSSpec | None = None
     """TLS on every tcp path of the pool (docs/security.md has the cost); plain tcp when absent."""
+    quotas: Quotas = nested(Quotas)
+    """Fair share per kvNamespace: what one namespace may hold, pin and keep connected in each agent."""
     agent: AgentSpec = nested(AgentSpec)
     """Node agent settings."""
 

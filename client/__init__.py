@@ -14,7 +14,7 @@ memoryview, mmap, C-contiguous numpy arrays); reads land directly in them.
 from daybreak.client.aio import AsyncKVPoolClient
 from daybreak.client.env import POOL_TLS_CA_ENV, pool_tls_ca_file
 from daybreak.client.hashing import block_hashes
-from daybreak.client.pool import KVPoolAuthorizationError, KVPoolClient, KVPoolError
+from daybreak.client.pool import KVPoolAuthorizationError, KVPoolClient, KVPoolError, KVPoolQuotaError
 
 __all__ = ["POOL_TLS_CA_ENV", "AsyncKVPoolClient", "KVPoolAuthorizationError", "KVPoolClient", "KVPoolError",
-           "block_hashes", "pool_tls_ca_file"]
+           "KVPoolQuotaError", "block_hashes", "pool_tls_ca_file"]

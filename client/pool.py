@@ -49,6 +49,10 @@ class KVPoolAuthorizationError(KVPoolError):
     """The credential does not allow this: another namespace, or an operation for the pool's agents only."""
 
 
+class KVPoolQuotaError(KVPoolError):
+    """An agent refused the request for one of the namespace's quotas (docs/store.md "Fair share"); retry later."""
+
+
 def _view(buffer: Any, index: int, *, writable: bool) -> memoryview:
     try:
         view = memoryview(buffer)
@@ -452,6 +456,8 @@ class KVPoolClient:
             if "not authorized" in str(exc):
                 self._conns.pop(agent, None)
                 raise KVPoolAuthorizationError(str(exc)) from None
+            if "quota exceeded" in str(exc):  # the agent is fine and the connection still open: not a failover
+                raise KVPoolQuotaError(str(exc)) from None
             self._mark_down(agent, str(exc) or type(exc).__name__)
             return None
         except (OSError, p.ProtocolError) as exc:

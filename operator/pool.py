@@ -135,6 +135,10 @@ def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
         "high_watermark": spec.eviction.high_watermark,
         "low_watermark": spec.eviction.low_watermark,
         "lease_seconds": spec.lease_seconds,
+        "namespace_held_fraction": spec.quotas.held_fraction,
+        "namespace_pinned_fraction": spec.quotas.pinned_fraction,
+        "max_pin_seconds": spec.quotas.max_pin_seconds,
+        "max_connections_per_credential": spec.quotas.max_connections_per_credential,
         "transports": [t.value for t in spec.transport.preference],
     }
     if spec.tls is not None:

@@ -6,8 +6,11 @@ costing memory and descriptors without bound (issue 12 finding 6). ``Admission``
 counts every open connection in total and per peer address, refuses past either
 cap, and keeps a bounded set of connections still inside their handshake: a new
 one displaces the oldest of its address (or of all) instead of being refused, so
-a real client, done in a round trip, is never locked out by silent ones. Refusals
-and the fd-limit backoff log at most one line a second.
+a real client, done in a round trip, is never locked out by silent ones. Once
+authenticated, a connection also counts against its credential
+(``max_connections_per_credential``, the store's namespace credentials): one
+tenant's idle connections, from however many addresses, cannot fill the server
+(issue 22 finding 3). Refusals and the fd-limit backoff log at most one line a second.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ class Caps:
     max_connections_per_address: int = 256
     max_preauth: int = 256                # connections inside the handshake; the oldest is dropped for a new one
     max_preauth_per_address: int = 64
+    max_connections_per_credential: int = 128  # authenticated, per credential the server caps (see ``authenticated``)
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_connections_per_address", "max_preauth", "max_preauth_per_address"):
+        for name in ("max_connections", "max_connections_per_address", "max_preauth", "max_preauth_per_address",
+                     "max_connections_per_credential"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -60,6 +65,8 @@ class Admission:
         self._conns: set[Any] = set()
         self._preauth: OrderedDict[Any, str] = OrderedDict()  # oldest first -> peer host
         self._per_host: Counter[str] = Counter()
+        self._credential_of: dict[Any, str] = {}
+        self._per_credential: Counter[str] = Counter()
         self._last_log = 0.0
 
     def admit(self, conn: socket.socket, host: str) -> bool:
@@ -102,12 +109,34 @@ class Admission:
         with self._lock:
             self._preauth.pop(conn, None)
 
+    def admit_credential(self, conn: Any, credential: str) -> bool:
+        """Count an authenticated ``conn`` against ``credential`` (the scope it proved); False past the cap.
+
+        On False the caller answers with the reason and closes it (``release`` as usual). Call once per
+        connection, after ``authenticated``, for the credentials the server caps.
+        """
+        with self._lock:
+            if self._per_credential[credential] >= self.caps.max_connections_per_credential:
+                refused = True
+            else:
+                refused = False
+                self._per_credential[credential] += 1
+                self._credential_of[conn] = credential
+        if refused:
+            self.log_limited("event=connection_refused %s credential=%s reason=credential_cap", self.label, credential)
+        return not refused
+
     def release(self, host: str, *conns: Any) -> None:
         """The connection is closed: each of its objects (raw socket, wrapper) leaves the counts once."""
         with self._lock:
             for conn in conns:
                 self._conns.discard(conn)
                 self._preauth.pop(conn, None)
+                credential = self._credential_of.pop(conn, None)
+                if credential is not None:
+                    self._per_credential[credential] -= 1
+                    if self._per_credential[credential] <= 0:
+                        del self._per_credential[credential]
             self._per_host[host] -= 1
             if self._per_host[host] <= 0:
                 del self._per_host[host]

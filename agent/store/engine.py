@@ -5,20 +5,31 @@ readers only once committed; a reservation (being written) and a block with
 readers or leases are never chosen for eviction. Keys are content-addressed
 (a chained hash of the tokens), so writing an existing key again is
 idempotent and a re-adopted block can never be stale.
+
+Fair share per kvNamespace (a key's namespace is what precedes its first
+``/``; issue 22 finding 3): the index counts, per tier and namespace, the bytes
+under leases and parked reservations (``held``) and under soft pins
+(``pinned``), and ``admit`` refuses a request that would take a namespace past
+its ``Quotas`` with ``QuotaExceeded`` naming the quota, BEFORE anything is
+reserved or evicted for it. Eviction takes its victims from the namespace
+furthest over its share of the tier first (``eviction.FairShare``), then
+follows the tier's policy.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from daybreak.agent.store import metrics as m
-from daybreak.agent.store.eviction import Policy, make_policy
+from daybreak.agent.store.eviction import FairShare, Policy, make_policy
 from daybreak.agent.store.tiers import (
     JOURNAL_DEL,
     JOURNAL_PUT,
@@ -29,12 +40,54 @@ from daybreak.agent.store.tiers import (
     SsdTier,
     Tier,
 )
+from daybreak.errors import DaybreakError
 from daybreak.pool.protocol import Status
 from daybreak.pool.shm import ShmSegment
 
 log = logging.getLogger(__name__)
 
 _WRITES_RECENT_SECONDS = 0.05  # the background fill waits while a write came in this recently
+
+TierNamespace = tuple[str, str]  # (tier, kvNamespace): the unit quotas and fair shares are counted in
+
+
+def namespace_of(key: str) -> str:
+    """The kvNamespace a block key belongs to: what precedes its first ``/`` ('' for a key without one)."""
+    namespace, slash, _ = key.partition("/")
+    return namespace if slash else ""
+
+
+class QuotaExceeded(DaybreakError):
+    """A request would take a namespace past one of its quotas; nothing was reserved, leased or evicted for it.
+
+    ``quota`` names it (``held``, ``pinned``, ``pin_seconds`` or ``connections``): the store answers
+    with an ERROR frame whose text starts with ``quota exceeded`` and keeps the connection open.
+    """
+
+    def __init__(self, quota: str, message: str) -> None:
+        super().__init__(message)
+        self.quota = quota
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """What one kvNamespace may hold in one agent (docs/store.md "Fair share"; KVPool ``spec.quotas``)."""
+
+    # Leases and parked (ALLOC/XALLOC, not yet committed) reservations, as a fraction of the tier: at 0.5
+    # two namespaces can still each hold half, and one alone can never hold the whole tier.
+    held_fraction: float = 0.5
+    # Soft pins, as a fraction of the tier: pins are for a few hot prefixes, not a working set.
+    pinned_fraction: float = 0.25
+    # The longest pin a writer may ask for: a pin outlives its writer, so it must end by itself.
+    max_pin_seconds: int = 600
+
+    def __post_init__(self) -> None:
+        for name in ("held_fraction", "pinned_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}: must be in (0, 1], got {value}")
+        if self.max_pin_seconds < 0:
+            raise ValueError(f"max_pin_seconds: must be >= 0, got {self.max_pin_seconds}")
 
 
 @dataclass
@@ -68,6 +121,16 @@ class Reservation:
 class Lease:
     keys: list[str]
     expires: float
+    charges: Counter[TierNamespace] = field(default_factory=Counter)  # bytes held, given back when it ends
+
+
+@dataclass
+class Parked:
+    """ALLOC/XALLOC reservations waiting for their COMMIT, and the bytes they hold per namespace."""
+
+    reservations: list[Reservation | None]
+    expires: float
+    charges: Counter[TierNamespace] = field(default_factory=Counter)
 
 
 @dataclass
@@ -81,6 +144,7 @@ class StoreConfig:
     low_watermark: float = 0.8
     lease_seconds: float = 10.0
     max_block_bytes: int = 1 << 30
+    quotas: Quotas = field(default_factory=Quotas)
     hbm: HbmTier | None = None
     metrics: m.StoreMetrics = field(default_factory=m.StoreMetrics)
 
@@ -111,8 +175,14 @@ class BlockStore:
                                             "hbm": make_policy(config.policy)}
         self.writing: dict[str, Reservation] = {}
         self.leases: dict[int, Lease] = {}
-        self.reservations: dict[int, tuple[list[Reservation | None], float]] = {}
+        self.reservations: dict[int, Parked] = {}
         self._ids = itertools.count(1)
+        # Per-namespace accounting (docs/store.md "Fair share"), all under self.lock.
+        self.shares: dict[str, FairShare] = {"dram": FairShare(), "ssd": FairShare(), "hbm": FairShare()}
+        self.held: Counter[TierNamespace] = Counter()    # bytes under leases and parked reservations
+        self.pinned: Counter[TierNamespace] = Counter()  # bytes of blocks pinned now
+        self._pins: dict[str, tuple[float, int, TierNamespace]] = {}  # key -> (until, size, where)
+        self._pin_heap: list[tuple[float, str]] = []  # (until, key), lazily pruned
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -234,6 +304,13 @@ class BlockStore:
     def _index(self, block: Block) -> None:
         self.blocks[block.key] = block
         self.policies[block.tier].insert(block.key, block.size)
+        self.shares[block.tier].insert(namespace_of(block.key), block.key, block.size)
+        if block.pinned_until > time.monotonic():
+            self._unpin(block.key)
+            where = (block.tier, namespace_of(block.key))
+            self._pins[block.key] = (block.pinned_until, block.size, where)
+            self.pinned[where] += block.size
+            heapq.heappush(self._pin_heap, (block.pinned_until, block.key))
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -324,6 +401,7 @@ class BlockStore:
                     continue
                 block.readers += 1
                 self.policies[block.tier].touch(key)
+                self.shares[block.tier].touch(namespace_of(key), key)
                 out.append(block)
         return out
 
@@ -351,15 +429,21 @@ class BlockStore:
     def lease(self, blocks: list[Block | None]) -> int:
         """Keep already-acquired blocks from eviction for lease_seconds; returns the lease id."""
         lease_id = next(self._ids)
+        charges: Counter[TierNamespace] = Counter()
+        for b in blocks:
+            if b is not None:
+                charges[(b.tier, namespace_of(b.key))] += b.size
         with self.lock:
             self.leases[lease_id] = Lease([b.key for b in blocks if b is not None],
-                                          time.monotonic() + self.config.lease_seconds)
+                                          time.monotonic() + self.config.lease_seconds, charges)
+            self.held.update(charges)
         return lease_id
 
     def end_lease(self, lease_id: int) -> None:
         with self.lock:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
+                self._give_back(lease.charges)
                 self.release([self.blocks.get(k) for k in lease.keys])
 
     def expire(self) -> None:
@@ -368,15 +452,23 @@ class BlockStore:
         with self.lock:
             for lease_id in [i for i, lease in self.leases.items() if lease.expires < now]:
                 self.end_lease(lease_id)
-            for rid in [i for i, (_, exp) in self.reservations.items() if exp < now]:
-                res, _ = self.reservations.pop(rid)
-                self.commit([r for r in res if r is not None], ok=False)
+            for rid in [i for i, parked in self.reservations.items() if parked.expires < now]:
+                parked = self.reservations.pop(rid)
+                self._give_back(parked.charges)
+                self.commit([r for r in parked.reservations if r is not None], ok=False)
+            self._expire_pins(now)
+            self._report_namespaces()
 
     def park(self, reservations: list[Reservation | None]) -> int:
-        """Hold same-node reservations (ALLOC) until COMMIT or lease expiry."""
+        """Hold ALLOC/XALLOC reservations until COMMIT or lease expiry (their bytes count as held)."""
         rid = next(self._ids)
+        charges: Counter[TierNamespace] = Counter()
+        for r in reservations:
+            if r is not None:
+                charges[(r.tier, namespace_of(r.key))] += r.size
         with self.lock:
-            self.reservations[rid] = (reservations, time.monotonic() + self.config.lease_seconds)
+            self.reservations[rid] = Parked(reservations, time.monotonic() + self.config.lease_seconds, charges)
+            self.held.update(charges)
         return rid
 
     def grant_deadline(self, grant: int) -> float:
@@ -397,8 +489,88 @@ class BlockStore:
 
     def unpark(self, rid: int) -> list[Reservation | None] | None:
         with self.lock:
-            entry = self.reservations.pop(rid, None)
-        return None if entry is None else entry[0]
+            parked = self.reservations.pop(rid, None)
+            if parked is not None:
+                self._give_back(parked.charges)
+        return None if parked is None else parked.reservations
+
+    # -- quotas per namespace ----------------------------------------------------------------------
+
+    def admit(self, *, lease: Sequence[str] = (), reserve: Sequence[tuple[str, int]] = (),
+              pin: Sequence[tuple[str, int]] = (), tier: str = "dram", pin_seconds: int = 0) -> None:
+        """Raise ``QuotaExceeded`` when a request would take a namespace past its quota; call before acting.
+
+        ``lease``: keys a LOCATE/XLOCATE would lease (blocks held now count at their size);
+        ``reserve``: (key, size) an ALLOC/XALLOC would park in ``tier``; ``pin``: (key, size) a write
+        would pin for ``pin_seconds``. Checked against what the namespace holds right now: two
+        requests admitted at the same instant may together overshoot by one request's bytes.
+        """
+        quotas = self.config.quotas
+        if pin and pin_seconds > quotas.max_pin_seconds:
+            raise QuotaExceeded("pin_seconds", f"quota exceeded: pin_seconds={pin_seconds} is longer than "
+                                f"this pool's maxPinSeconds ({quotas.max_pin_seconds} s); ask for a shorter pin")
+        tier = tier if tier in self.tiers else "dram"
+        held: Counter[TierNamespace] = Counter()
+        pinned: Counter[TierNamespace] = Counter()
+        with self.lock:
+            for key in lease:
+                block = self.blocks.get(key)
+                if block is not None:  # an SSD hit is promoted to DRAM before it is leased
+                    held[("dram" if block.tier == "ssd" else block.tier, namespace_of(key))] += block.size
+            for key, size in reserve:
+                held[(tier, namespace_of(key))] += size
+            if pin:
+                self._expire_pins(time.monotonic())
+            for key, size in pin:
+                pinned[(tier, namespace_of(key))] += size
+            for quota, want, have, fraction, what in (
+                    ("held", held, self.held, quotas.held_fraction, "under leases and uncommitted reservations"),
+                    ("pinned", pinned, self.pinned, quotas.pinned_fraction, "pinned")):
+                for where, size in want.items():
+                    capacity = self._usage(where[0])[0]
+                    limit = int(fraction * capacity)
+                    if size and have[where] + size > limit:
+                        self.metrics.quota_refusals.labels(quota=quota).inc()
+                        raise QuotaExceeded(quota, (
+                            f"quota exceeded: namespace {where[1]!r} would have {have[where] + size} bytes {what} "
+                            f"in tier {where[0]}, over its {quota} quota of {limit} bytes ({fraction:g} of "
+                            f"{capacity}); " + ("RELEASE leases or COMMIT reservations first" if quota == "held"
+                                               else "wait for pins to end or write unpinned")))
+
+    def _give_back(self, charges: Counter[TierNamespace]) -> None:
+        self.held.subtract(charges)
+        for where in charges:
+            if self.held[where] <= 0:
+                del self.held[where]
+
+    def _unpin(self, key: str) -> None:
+        entry = self._pins.pop(key, None)
+        if entry is not None:
+            _, size, where = entry
+            self.pinned[where] -= size
+            if self.pinned[where] <= 0:
+                del self.pinned[where]
+
+    def _expire_pins(self, now: float) -> None:
+        while self._pin_heap and self._pin_heap[0][0] <= now:
+            until, key = heapq.heappop(self._pin_heap)
+            entry = self._pins.get(key)
+            if entry is not None and entry[0] == until:
+                self._unpin(key)
+
+    def namespace_usage(self) -> dict[TierNamespace, tuple[int, int, int]]:
+        """(stored, held, pinned) bytes per (tier, namespace) with any of them non-zero."""
+        with self.lock:
+            self._expire_pins(time.monotonic())
+            out: dict[TierNamespace, tuple[int, int, int]] = {}
+            wheres = {(tier, ns) for tier, share in self.shares.items() for ns in share.bytes}
+            for where in wheres | set(self.held) | set(self.pinned):
+                out[where] = (self.shares[where[0]].bytes.get(where[1], 0), self.held.get(where, 0),
+                              self.pinned.get(where, 0))
+            return out
+
+    def _report_namespaces(self) -> None:
+        self.metrics.report_namespaces(self.namespace_usage())
 
     # -- other ops ---------------------------------------------------------------------------------
 
@@ -476,6 +648,14 @@ class BlockStore:
 
         return ok
 
+    def _victim(self, tier: str, evictable: Callable[[str], bool]) -> str | None:
+        """The next block to evict from ``tier``: from the namespace furthest over its share, else by policy."""
+        key = self.shares[tier].victim(capacity=self._usage(tier)[0], evictable=evictable)
+        if key is not None:
+            self.metrics.fair_share_evictions.labels(tier=tier).inc()
+            return key
+        return self.policies[tier].victim(evictable)
+
     def _alloc_dram(self, size: int) -> tuple[int, int] | None:
         where = self.dram.alloc(size)
         if where is not None:
@@ -484,7 +664,7 @@ class BlockStore:
         for pins in (False, True):
             evictable = self._evictable(pins=pins)
             while where is None:
-                victim = self.policies["dram"].victim(evictable)
+                victim = self._victim("dram", evictable)
                 if victim is None:
                     break
                 self._evict(self.blocks[victim])
@@ -498,7 +678,7 @@ class BlockStore:
         off = self.hbm.alloc(size)
         evictable = self._evictable(pins=False)
         while off is None:
-            victim = self.policies["hbm"].victim(evictable)
+            victim = self._victim("hbm", evictable)
             if victim is None:
                 return None
             self._evict(self.blocks[victim])
@@ -511,9 +691,8 @@ class BlockStore:
         if capacity == 0 or used <= self.config.high_watermark * capacity:
             return
         evictable = self._evictable(pins=False)
-        policy = self.policies[tier]
         while used > self.config.low_watermark * capacity:
-            victim = policy.victim(evictable)
+            victim = self._victim(tier, evictable)
             if victim is None:
                 log.warning("event=eviction_stalled tier=%s used=%d capacity=%d reason=all_blocks_leased_or_pinned",
                             tier, used, capacity)
@@ -555,6 +734,8 @@ class BlockStore:
         """Forget a block and free its space; a DRAM extent's DEL record precedes any reuse."""
         self.blocks.pop(block.key, None)
         self.policies[block.tier].remove(block.key)
+        self.shares[block.tier].remove(namespace_of(block.key), block.key)
+        self._unpin(block.key)
         if block.tier == "dram":
             journal.append((JOURNAL_DEL, block.key, block.segment, block.offset, block.size, block.checksum))
             # The DEL must reach the journal before the extent can be written again.

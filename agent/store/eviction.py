@@ -11,11 +11,19 @@ to the main FIFO, others leave (their key is remembered in a ghost FIFO, so
 a quick return goes straight to main). Main is FIFO with up to 3 second
 chances. Agent traffic is scan-heavy (one prefill writes thousands of
 blocks that may never be read), which is where it beats LRU.
+
+``FairShare`` sits in front of the policy (issue 22 finding 3): it knows the
+bytes each kvNamespace stores in a tier and each namespace's own
+least-recently-used order, so the store takes its victims from the namespace
+furthest over its fair share (the tier divided by the namespaces that store
+something in it) before asking the policy, which then orders what is left.
+One tenant writing (or leasing, or pinning) without end thus evicts its own
+blocks, not another tenant's working set.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -138,6 +146,62 @@ class S3FIFO:
                 self._main.move_to_end(key)
                 continue
             return key
+        return None
+
+
+class FairShare:
+    """Bytes stored per namespace in one tier, and each namespace's blocks oldest-used first.
+
+    ``victim`` looks only at namespaces over their share (``capacity / namespaces storing
+    something``), furthest over first, and returns the least recently used block of the first
+    one that has an evictable block; None sends the caller to the tier's policy. A key
+    ``evictable`` refuses (leased, pinned, being read) moves to the back of its namespace's
+    order, so a long run of held blocks is passed over once, not at every call.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: Counter[str] = Counter()
+        self._orders: dict[str, OrderedDict[str, int]] = {}
+
+    def insert(self, namespace: str, key: str, size: int) -> None:
+        order = self._orders.setdefault(namespace, OrderedDict())
+        old = order.pop(key, None)
+        if old is not None:
+            self.bytes[namespace] -= old
+        order[key] = size
+        self.bytes[namespace] += size
+
+    def touch(self, namespace: str, key: str) -> None:
+        order = self._orders.get(namespace)
+        if order is not None and key in order:
+            order.move_to_end(key)
+
+    def remove(self, namespace: str, key: str) -> None:
+        order = self._orders.get(namespace)
+        if order is None or key not in order:
+            return
+        self.bytes[namespace] -= order.pop(key)
+        if not order:
+            del self._orders[namespace]
+            del self.bytes[namespace]
+
+    def over_share(self, capacity: int) -> list[tuple[str, int]]:
+        """(namespace, bytes over its share) for every namespace over it, furthest first."""
+        active = len(self._orders)
+        if active < 2:
+            return []  # one namespace alone owns the whole tier: the policy decides
+        share = capacity / active
+        over = [(ns, int(n - share)) for ns, n in self.bytes.items() if n > share]
+        return sorted(over, key=lambda item: -item[1])
+
+    def victim(self, *, capacity: int, evictable: Callable[[str], bool]) -> str | None:
+        for namespace, _ in self.over_share(capacity):
+            order = self._orders[namespace]
+            for _ in range(len(order)):
+                key = next(iter(order))
+                if evictable(key):
+                    return key
+                order.move_to_end(key)
         return None
 
 

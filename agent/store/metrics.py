@@ -2,12 +2,23 @@
 
 Each store owns a registry (not the process-global one), so several stores in
 one test process never collide and ``/metrics`` shows exactly one agent.
+
+Per-namespace usage carries a ``namespace`` label, kept to a bounded set: the
+``NAMESPACE_SERIES`` namespaces storing or holding the most bytes in a tier get
+their own series, the rest are summed under ``namespace="_other"``. A namespace
+credential only reaches keys of its own namespace, so the namespaces present are
+the ones the pool minted credentials for (plus what the pool secret wrote); the
+cap keeps even a pool with thousands of them to a few dozen series per tier.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+NAMESPACE_SERIES = 16   # namespaces with their own series per tier; the rest are summed as "_other"
+OTHER_NAMESPACES = "_other"
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -38,6 +49,29 @@ class StoreMetrics:
                                        "agent, by transport", ["transport", "op"], registry=r)
         self.rejected = Counter("daybreak_store_connections_rejected", "Connections closed for a protocol or auth error",
                                 ["reason"], registry=r)
+
+        self.namespace_bytes = Gauge("daybreak_store_namespace_bytes", "Bytes of one kvNamespace in a tier: stored, "
+                                     "held (leases and uncommitted reservations) and pinned", ["tier", "namespace",
+                                                                                              "kind"], registry=r)
+        self.quota_refusals = Counter("daybreak_store_quota_refusals", "Requests refused for a namespace quota "
+                                      "(held, pinned, pin_seconds, connections)", ["quota"], registry=r)
+        self.fair_share_evictions = Counter("daybreak_store_fair_share_evictions", "Blocks evicted from the "
+                                            "namespace furthest over its share of the tier", ["tier"], registry=r)
+
+    def report_namespaces(self, usage: Mapping[tuple[str, str], tuple[int, int, int]]) -> None:
+        """Publish (stored, held, pinned) bytes per (tier, namespace): the largest ``NAMESPACE_SERIES`` per tier."""
+        rows: dict[tuple[str, str], list[int]] = {}
+        for tier in {t for t, _ in usage}:
+            ranked = sorted(((ns, v) for (t, ns), v in usage.items() if t == tier), key=lambda item: -sum(item[1]))
+            for rank, (ns, values) in enumerate(ranked):
+                label = ns if rank < NAMESPACE_SERIES and ns != OTHER_NAMESPACES else OTHER_NAMESPACES
+                row = rows.setdefault((tier, label), [0, 0, 0])
+                for i, value in enumerate(values):
+                    row[i] += value
+        self.namespace_bytes.clear()  # namespaces that left drop out instead of staying at their last value
+        for (tier, ns), row_values in rows.items():
+            for kind, value in zip(("stored", "held", "pinned"), row_values, strict=True):
+                self.namespace_bytes.labels(tier=tier, namespace=ns, kind=kind).set(value)
 
     def moved(self, transport: str, op: str, nbytes: int) -> None:
         """Count ``nbytes`` of block data moved by ``transport`` (shm, tcp, tls, link, rdma); op read or write."""

@@ -7,8 +7,11 @@ handshake, sends a malformed or oversized frame, or asks for something outside
 its credential's scope is closed with a logged reason; no other connection
 notices. Every wait has a deadline (handshake, idle, request body, reply) and
 connections are capped per agent and per address (``Limits``, through ``pool.admission``,
-as the transfer engine's server is). ``HANDLERS`` maps every request op to one method; an op
-without a handler (REPLY, ERROR, a second HELLO) is a protocol error.
+as the transfer engine's server is), and per namespace credential once authenticated. Before
+a request that leases, reserves or pins is handled, ``_admit_quotas`` asks the store whether
+the key's namespace may hold that much more (``engine.Quotas``); a refusal is an ERROR frame
+starting ``quota exceeded`` and the connection stays open. ``HANDLERS`` maps every request op
+to one method; an op without a handler (REPLY, ERROR, a second HELLO) is a protocol error.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from daybreak.agent.store.engine import BlockStore, Reservation
+from daybreak.agent.store.engine import BlockStore, QuotaExceeded, Reservation
 from daybreak.agent.store.handoff import HandOff
 from daybreak.agent.store.peers import Membership
 from daybreak.agent.store.pullthrough import PullThrough
@@ -76,6 +79,11 @@ class Limits:
     max_preauth_per_address: int = 64
     max_reserved_bytes: int = 256 << 20   # per connection: ALLOC reservations not yet committed
     max_open_leases: int = 64             # per connection: LOCATE leases and ALLOC reservations open at once
+    # Authenticated connections per namespace credential (the pool secret and the agent credential are
+    # not capped: they are the pool's own). A deployment's engines share one credential and each keeps one
+    # connection per agent, so this is about the engine processes of one deployment; it stays well below
+    # max_connections so that one tenant's idle connections cannot lock the others out (issue 22).
+    max_connections_per_credential: int = 128
 
     def deadline(self, nbytes: int) -> float:
         return time.monotonic() + self.io_seconds + nbytes / _WIRE_BYTES_PER_SECOND
@@ -83,7 +91,7 @@ class Limits:
     def caps(self) -> Caps:
         """The connection caps, enforced by ``pool.admission`` (the transfer engine's server uses the same)."""
         return Caps(self.max_connections, self.max_connections_per_address, self.max_preauth,
-                    self.max_preauth_per_address)
+                    self.max_preauth_per_address, self.max_connections_per_credential)
 
 
 @dataclass
@@ -215,9 +223,16 @@ class Service:
                 return
             scope = Scope.parse_claim(hello.scope)
             assert scope is not None  # server_accept refuses unknown scopes
+            self.admission.authenticated(conn)
+            if scope.role == credentials.NAMESPACE and not self.admission.admit_credential(conn, scope.claim):
+                self.store.metrics.quota_refusals.labels(quota="connections").inc()
+                self.store.metrics.rejected.labels(reason="credential_cap").inc()
+                self._error(conn, channel.request_id, (
+                    f"quota exceeded: {self.limits.max_connections_per_credential} connections of credential "
+                    f"{scope.claim} are open on this agent (its maxConnectionsPerCredential); close idle ones"))
+                return
             session = Session(peer, scope)
             self._local.session = session
-            self.admission.authenticated(conn)
             w = self.welcome
             reply = p.HelloReply(self.agent_id, w.pool, w.shm_probe, w.shm_nonce, w.lease_seconds, w.replicas).encode()
             send_all(conn, p.frame(p.Op.REPLY, reply, request_id=channel.request_id),
@@ -230,6 +245,14 @@ class Service:
                 started = time.perf_counter()
                 try:
                     self.dispatch(conn, header, meta)
+                except QuotaExceeded as exc:
+                    # Nothing was reserved or leased: answer, drop an unread PUT body, keep the connection.
+                    self.admission.log_limited("event=request_refused agent=%s peer=%s scope=%s reason=quota_exceeded "
+                                               "quota=%s", self.agent_id, peer, scope.claim, exc.quota)
+                    if header.data_len:
+                        discard(conn, header.data_len, deadline=self.limits.deadline(header.data_len))
+                    self._error(conn, header.request_id, str(exc))
+                    continue
                 except NotAuthorized as exc:
                     self.store.metrics.rejected.labels(reason="scope").inc()
                     log.warning("event=request_refused agent=%s peer=%s scope=%s reason=%r", self.agent_id, peer,
@@ -272,7 +295,26 @@ class Service:
         if header.op != p.Op.PUT and header.data_len:
             raise p.ProtocolError(f"{header.op.name} carries no data section, got {header.data_len} bytes")
         self._authorize(header, request)
+        self._admit_quotas(header, request)
         handler(conn, header, request)
+
+    def _admit_quotas(self, header: p.Header, request: object) -> None:
+        """Refuse (``QuotaExceeded``) a lease, reservation or pin past its namespace's quota, before any is made.
+
+        Here, ahead of every handler that leases (LOCATE, XLOCATE), parks reservations (ALLOC, XALLOC)
+        or pins (any write with ``pin_seconds``), so the engine ops in ``datapath`` are covered too.
+        A PUT's own reservations are not held: they last one request, under its io deadline.
+        """
+        # By field, not request class: the engine ops' requests may grow (datapath.py) and still carry these.
+        op = header.op
+        keys: list[str] = list(getattr(request, "keys", None) or [])
+        if op in (p.Op.LOCATE, p.Op.XLOCATE):
+            self.store.admit(lease=keys)
+        elif op in (p.Op.ALLOC, p.Op.XALLOC, p.Op.PUT):
+            items = list(zip(keys, getattr(request, "sizes", None) or [], strict=True))
+            pin_seconds = int(getattr(request, "pin_seconds", 0) or 0)
+            self.store.admit(reserve=items if op != p.Op.PUT else (), pin=items if pin_seconds else (),
+                             tier="hbm" if getattr(request, "tier", 0) == 1 else "dram", pin_seconds=pin_seconds)
 
     def _authorize(self, header: p.Header, request: object) -> None:
         """The connection's scope decides: pool-peer ops and flags need a peer credential, keys their namespace."""

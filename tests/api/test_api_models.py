@@ -129,6 +129,9 @@ def test_kvpool_from_body_parses_camel_case_and_fills_defaults() -> None:
     assert pool.spec.transport.preference == [Transport.SHM, Transport.LINK, Transport.RDMA, Transport.TCP]
     assert pool.spec.agent.port == 7400
     assert pool.status.nodes.ready == 0
+    quotas = pool.spec.quotas
+    assert (quotas.held_fraction, quotas.pinned_fraction, quotas.max_pin_seconds,
+            quotas.max_connections_per_credential) == (0.5, 0.25, 600, 128)
 
 
 def test_from_body_accepts_any_mapping() -> None:
@@ -172,6 +175,9 @@ def test_snake_case_construction_works_too() -> None:
     (pool_body(eviction={"highWatermark": 1.5}), ("spec", "eviction", "highWatermark")),
     (pool_body(eviction={"policy": "fifo"}), ("spec", "eviction", "policy")),
     (pool_body(transport={"preference": ["carrier-pigeon"]}), ("spec", "transport", "preference", 0)),
+    (pool_body(quotas={"heldFraction": 0}), ("spec", "quotas", "heldFraction")),
+    (pool_body(quotas={"pinnedFraction": 1.5}), ("spec", "quotas", "pinnedFraction")),
+    (pool_body(quotas={"maxConnectionsPerCredential": 0}), ("spec", "quotas", "maxConnectionsPerCredential")),
     (pdd_body(engine={"kind": "tgi"}), ("spec", "engine", "kind")),
     (pdd_body(updateStrategy={"maxSurge": "lots"}), ("spec", "updateStrategy", "maxSurge")),
     (pdd_body(prefill={"resources": {"limits": {"memory": "8 GB"}}}), ("spec", "prefill", "resources", "limits")),
