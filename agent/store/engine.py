@@ -478,7 +478,7 @@ class BlockStore:
             if lease is not None:
                 return lease.expires
             parked = self.reservations.get(grant)
-            return parked[1] if parked is not None else 0.0
+            return parked.expires if parked is not None else 0.0
 
     def grant_live(self, grant: int, *, write: bool) -> bool:
         """Whether a one-sided capability's grant still stands: a reservation for WRITE, a lease for READ.
