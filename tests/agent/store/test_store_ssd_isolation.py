@@ -227,6 +227,37 @@ def test_a_pool_created_again_under_its_name_starts_empty_and_sweeps_the_old_dir
     assert old.dir_name != new.dir_name and old.key_id == new.key_id
 
 
+def test_a_directory_marked_by_another_secret_is_refused_not_adopted(tmp_path: Path) -> None:
+    # Cluster mode: the directory is named by uid, so a pool whose Secret was replaced opens the same one.
+    root = tmp_path / "ssd"
+    prefix = f"daybreak-u{uuid.uuid4().hex[:8]}"
+    data = b"y" * 8192
+
+    def open_store(secret: bytes) -> BlockStore:
+        owner = SsdOwner.for_pool(secret=secret, namespace="team", name="kv", uid="uid-1")
+        store = BlockStore(StoreConfig(prefix=prefix, dram_bytes=1 << 20, ssd_bytes=64 * MiB, ssd_owner=owner,
+                                       ssd_path=str(ssd_directory(root=root, owner=owner, agent="10.0.0.1:7400"))))
+        store.open()
+        return store
+
+    first = open_store(b"1" * 64)
+    assert first.ssd is not None
+    first.ssd.write("team/k", memoryview(data), crc32c(data))
+    first.close()
+    again = open_store(b"1" * 64)
+    readopted = len(again.blocks)
+    again.close()
+    rotated = open_store(b"2" * 64)
+    try:
+        refused = rotated.metrics.registry.get_sample_value("daybreak_store_ssd_refused_blocks_total",
+                                                            {"reason": "foreign_dir"})
+        assert readopted == 1 and len(rotated.blocks) == 0 and refused == 1
+        assert not list(root.rglob("*.blk"))  # refused files are removed, never served later
+    finally:
+        rotated.close(unlink=True)
+        cleanup_pool(prefix.removeprefix("daybreak-"))
+
+
 def test_pools_with_different_secrets_never_share_a_directory() -> None:
     a = SsdOwner.for_pool(secret=b"a" * 64, namespace="", name="standalone")
     b = SsdOwner.for_pool(secret=b"b" * 64, namespace="", name="standalone")
