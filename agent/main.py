@@ -4,9 +4,9 @@ Standalone: ``daybreak agent --standalone --listen ADDR:P --dram 2Gi [--ssd-path
 [--peers ADDR:P,...] [--replicas R] --token-file F`` serves this node's tier of a pool whose
 agents share the pool secret in F (written fresh, mode 0600, when F does not exist) and logs one
 line containing ``ready`` once it accepts requests. SIGTERM or SIGINT make it hand its blocks to
-the other agents first, then exit and remove its DRAM tier from /dev/shm (``--keep-segments``
-leaves it for the next start to re-adopt; a crash leaves it too, and tiers nobody re-adopts
-within ``orphan_seconds`` are removed by the next agent that starts).
+the other agents first, then exit and remove its DRAM tier from /dev/shm and its SSD directory
+(``--keep-segments`` leaves both for the next start to re-adopt; a crash leaves them too, and tiers
+nobody re-adopts within ``orphan_seconds`` are removed by the next agent that starts).
 
 In a cluster the same store runs next to the node's discovery and publishing
 (``daybreak.agent.node``), configured from the environment the DaemonSet sets.
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", help="PEM CA bundle the agent checks its peers against (with --tls-cert)")
     parser.add_argument("--keep-segments", action="store_true", default=None,
-                        help="standalone: keep the DRAM tier in /dev/shm after a clean stop")
+                        help="standalone: keep the DRAM tier in /dev/shm and the SSD directory after a clean stop")
     parser.add_argument("--handshake-seconds", type=float, help="deadline of a connection's whole handshake")
     parser.add_argument("--idle-seconds", type=float, help="close authenticated connections idle this long")
     parser.add_argument("--io-seconds", type=float, help="deadline of a request's body or reply")
@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace-pinned-fraction", type=float,
                         help="fraction of a tier one kvNamespace may hold pinned")
     parser.add_argument("--max-pin-seconds", type=int, help="longest soft pin a writer may ask for")
-    parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers idle this long")
+    parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers and SSD directories "
+                        "idle this long")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
 
@@ -158,7 +159,14 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
     from daybreak.agent.store.engine import BlockStore, Quotas, StoreConfig
     from daybreak.agent.store.server import StoreServer
     from daybreak.agent.store.serving import Limits
-    from daybreak.agent.store.tiers import HbmTier, reclaim_orphans, slug
+    from daybreak.agent.store.tiers import (
+        HbmTier,
+        SsdOwner,
+        reclaim_orphans,
+        reclaim_ssd_orphans,
+        slug,
+        ssd_directory,
+    )
 
     pool = settings.pool_name or "standalone"
     hbm = None
@@ -176,9 +184,17 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
     address = settings.advertise or settings.listen
     prefix = f"daybreak-{slug(pool)}-{slug(address)}"
     reclaim_orphans(older_than_seconds=settings.orphan_seconds, keep=prefix)
+    ssd_owner, ssd_dir = None, None
+    if settings.ssd_path and settings.ssd_bytes:
+        # The SSD tier's own directory and key: another pool on this root (another secret, or this name with
+        # another uid) never shares it, and the sweep removes the directories nobody will re-adopt.
+        ssd_owner = SsdOwner.for_pool(secret=token, namespace=settings.pool_namespace, name=pool,
+                                      uid=settings.pool_uid)
+        ssd_dir = ssd_directory(root=Path(settings.ssd_path), owner=ssd_owner, agent=address)
+        reclaim_ssd_orphans(root=Path(settings.ssd_path), owner=ssd_owner, keep=ssd_dir,
+                            older_than_seconds=settings.orphan_seconds)
     store = BlockStore(StoreConfig(
-        prefix=prefix, dram_bytes=settings.dram_bytes,
-        ssd_path=str(Path(settings.ssd_path) / slug(address)) if settings.ssd_path else "",
+        prefix=prefix, dram_bytes=settings.dram_bytes, ssd_path=str(ssd_dir or ""), ssd_owner=ssd_owner,
         ssd_bytes=settings.ssd_bytes, policy=settings.eviction_policy, high_watermark=settings.high_watermark,
         low_watermark=settings.low_watermark, lease_seconds=settings.lease_seconds, hbm=hbm,
         quotas=Quotas(held_fraction=settings.namespace_held_fraction,
@@ -250,7 +266,7 @@ def start_store(settings: AgentSettings) -> Any:
 
 
 def stop_store(server: Any, *, remove: bool = False) -> None:
-    """Hand blocks to the other agents, then close; ``remove`` also deletes the DRAM tier from /dev/shm.
+    """Hand blocks to the other agents, then close; ``remove`` also deletes the DRAM tier and the SSD directory.
 
     Kept (``remove=False``) for a restart or an upgrade to re-adopt; removed when nobody will.
     """

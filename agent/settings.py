@@ -31,6 +31,8 @@ class AgentSettings(BaseModel):
     node_name: str = Field("", description="the Kubernetes node this agent runs on (from the downward API)")
     pool_name: str = Field("", description="the KVPool this agent serves")
     pool_namespace: str = Field("", description="namespace of the KVPool")
+    pool_uid: str = Field("", description="metadata.uid of the KVPool (names its SSD directory: a pool created "
+                          "again under the same name never sees the old one's blocks)")
     kubeconfig: str = Field("", description="kubeconfig path when out of cluster; empty means in-cluster")
 
     # -- hardware discovery ------------------------------------------------------
@@ -47,7 +49,9 @@ class AgentSettings(BaseModel):
     # -- store ---------------------------------------------------------------------
     listen: str = Field("127.0.0.1:7480", description="host:port the store serves on")
     dram_bytes: int = Field(1 << 30, ge=0, description="DRAM tier size in bytes")
-    ssd_path: str = Field("", description="directory for the SSD tier; empty disables it")
+    ssd_path: str = Field("", description="root directory of the SSD tier; the tier lives in "
+                          "<ssd_path>/<namespace>_<pool>_<uid>/<address> (standalone: standalone_<pool>_<key id>), "
+                          "empty disables it")
     ssd_bytes: int = Field(0, ge=0, description="SSD tier size in bytes")
     hbm_bytes: int = Field(0, ge=0, description="HBM tier size per device in bytes; 0 disables it")
     peers: list[str] = Field(default_factory=list, description="other agents (host:port) in a standalone pool")
@@ -84,10 +88,10 @@ class AgentSettings(BaseModel):
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
     tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against "
                              "(store and transfer engine); empty: the system's CAs")
-    keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm after a clean stop "
-                                "(for a restart that re-adopts it)")
-    orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm with no live owner and untouched "
-                                  "this long are removed at start")
+    keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm and the SSD "
+                                "directory after a clean stop (for a restart that re-adopts them)")
+    orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm and SSD directories under "
+                                  "ssd_path with no live owner and untouched this long are removed at start")
 
     # -- transfer engine ------------------------------------------------------------
     transfer_listen: str = Field("", description="host:port of the transfer engine's tcp server; port 0 picks a "

@@ -9,7 +9,9 @@ Agent privileges, and why each is needed (nothing else is granted; docs/security
 - host ``/dev/shm``: the DRAM tier lives in shared-memory segments there, so a
   restarted agent re-adopts them and same-node engines map them (zero copy);
 - the SSD tier's host directory, when the tier is enabled, and only under a
-  root the cluster admin allowed (``PoolPolicy.allowed_ssd_roots``);
+  root the cluster admin allowed (``PoolPolicy.allowed_ssd_roots``); the agent
+  keeps the pool's blocks in its own subdirectory named after the pool's
+  namespace, name and uid, and removes it when the pool leaves the node;
 - host ``/dev/hugepages`` when the DRAM tier uses huge pages;
 - host ``/dev/infiniband`` when rdma is an allowed transport (verbs devices);
 - ``IPC_LOCK``, with rdma only: pinning registered memory; with it the kernel
@@ -121,6 +123,8 @@ def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
     candidate: dict[str, Any] = {
         "pool_name": pool.metadata.name,
         "pool_namespace": pool.metadata.namespace,
+        # Names the pool's SSD directory under ssd_path: a pool created again under this name starts empty.
+        "pool_uid": pool.metadata.uid or "",
         "sysfs_root": HOST_SYS,
         "listen": f"0.0.0.0:{spec.agent.port}",
         "dram_bytes": dram.bytes_per_node if dram else 0,

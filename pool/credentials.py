@@ -8,6 +8,9 @@ Three kinds, each a string an operator can put in a Secret or a file:
 - a **namespace credential** ``dbk1.<ns>.<hex>`` = HMAC-SHA256(secret, "ns:" + ns): what a
   deployment's engines hold; the agents refuse any key outside ``<ns>/``.
 
+Agents also derive, for their own use only, the key that authenticates the SSD tier's block headers
+(``ssd_header_key``, label ``ssd-header``): a different label, so it opens nothing on the wire.
+
 Every agent holds the pool secret and derives the key for whatever scope a client claims, so
 no list of issued credentials exists anywhere. A credential is never sent: the handshake
 (``pool/handshake.py``) proves possession of the key derived here.
@@ -24,6 +27,7 @@ from daybreak.errors import DaybreakError
 
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ADMIN, AGENT, NAMESPACE = "admin", "agent", "ns:"
+SSD_HEADER = "ssd-header"  # never a handshake scope: Scope.parse_claim knows only the three above
 _PREFIX = "dbk1"
 # A pool secret shorter than this is refused where it is loaded (a guessable secret is no secret).
 MIN_SECRET_CHARS = 32
@@ -73,6 +77,11 @@ def namespace_credential(secret: bytes, namespace: str) -> str:
 def agent_credential(secret: bytes) -> str:
     """The credential agents present to each other."""
     return f"{_PREFIX}-agent.{_mac(secret, AGENT).hex()}"
+
+
+def ssd_header_key(secret: bytes) -> bytes:
+    """The key the SSD tier MACs its block headers and directory marker with (``agent/store/tiers.py``)."""
+    return _mac(secret, SSD_HEADER)
 
 
 def key_for(secret: bytes, scope: Scope) -> bytes:

@@ -37,6 +37,7 @@ from daybreak.agent.store.tiers import (
     DramTier,
     HbmTier,
     MemoryTier,
+    SsdOwner,
     SsdTier,
     Tier,
 )
@@ -146,6 +147,7 @@ class StoreConfig:
     max_block_bytes: int = 1 << 30
     quotas: Quotas = field(default_factory=Quotas)
     hbm: HbmTier | None = None
+    ssd_owner: SsdOwner | None = None  # the pool whose key signs the SSD tier's headers (required with ssd_path)
     metrics: m.StoreMetrics = field(default_factory=m.StoreMetrics)
 
 
@@ -161,8 +163,12 @@ class BlockStore:
         self.lock = threading.RLock()
         self.last_write = 0.0  # monotonic time of the last reservation: the background fill yields to writes
         self.dram = DramTier(prefix=config.prefix, capacity=config.dram_bytes)
-        self.ssd = (SsdTier(directory=Path(config.ssd_path), capacity=config.ssd_bytes)
-                    if config.ssd_path and config.ssd_bytes else None)
+        self.ssd: SsdTier | None = None
+        if config.ssd_path and config.ssd_bytes:
+            if config.ssd_owner is None:
+                raise ValueError("ssd_owner: the SSD tier needs its pool's identity and key (tiers.SsdOwner)")
+            self.ssd = SsdTier(directory=Path(config.ssd_path), capacity=config.ssd_bytes, owner=config.ssd_owner,
+                               on_refused=lambda reason, n: self.metrics.ssd_refused.labels(reason=reason).inc(n))
         self.hbm = config.hbm
         # Every tier through its interface, by name (the only place tiers are looked up).
         self.tiers: dict[str, Tier] = {"dram": self.dram}
@@ -203,6 +209,8 @@ class BlockStore:
     def close(self, *, unlink: bool = False) -> None:
         with self.lock:
             self.dram.close(unlink=unlink)
+            if self.ssd is not None:
+                self.ssd.close(remove=unlink)
             if self.hbm is not None:
                 self.hbm.close()
 

@@ -38,6 +38,9 @@ class StoreMetrics:
         self.promotions = Counter("daybreak_store_promotions", "SSD blocks moved up to DRAM on a hit", registry=r)
         self.corrupt = Counter("daybreak_store_corrupt_blocks", "Blocks that failed their checksum and were removed",
                                registry=r)
+        self.ssd_refused = Counter("daybreak_store_ssd_refused_blocks", "SSD block files refused, never adopted or "
+                                   "served: header MAC of another key, another pool's directory, pre-MAC format",
+                                   ["reason"], registry=r)
         self.capacity = Gauge("daybreak_store_capacity_bytes", "Capacity of a tier", ["tier"], registry=r)
         self.used = Gauge("daybreak_store_used_bytes", "Bytes in use in a tier", ["tier"], registry=r)
         self.latency = Histogram("daybreak_store_request_seconds", "Time to serve one request, by op", ["op"],

@@ -8,8 +8,11 @@ place, and a DEL record is appended before its extent is handed out again.
 Replay also re-verifies every block's CRC-32C, so a torn or overwritten
 block is dropped (a miss), never served.
 
-SSD blocks are one file each (header with key, size and checksum, then the
-bytes), written to a temporary name and renamed, and verified on every read.
+SSD blocks are one file each (header with key, size, checksum and a MAC made
+with a key derived from the pool secret, then the bytes), written to a
+temporary name and renamed, verified on every read, under a directory of
+their pool's own (``<root>/<namespace>_<name>_<uid>/<agent>``). A file the
+pool's key did not sign is refused, never adopted or served.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import hmac
+import json
 import logging
 import os
 import re
+import shutil
 import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -416,50 +422,196 @@ def reclaim_orphans(*, older_than_seconds: float, keep: str = "") -> int:
     return removed
 
 
-_SSD_HEAD = struct.Struct("<4sHQI")  # magic, key_len, size, data_crc
-_SSD_MAGIC = b"DBS1"
+# -- SSD tier -------------------------------------------------------------------------------------
+#
+# Layout: <root>/<pool dir>/<agent dir>/xx/<hash>.blk, where the pool dir is named after the pool that owns
+# it (``SsdOwner.dir_name``) and holds a marker, pool.json, naming that pool; the agent dir is one agent's
+# (its address), with a ``lock`` file held while the agent runs.
+
+_SSD_HEAD = struct.Struct("<4sHQI16s")  # magic, key_len, size, data_crc, header MAC (16 bytes)
+_SSD_MAGIC = b"DBS2"
+_SSD_LEGACY_MAGIC = b"DBS1"  # before issue 22: no MAC, one directory for every pool on the node
+_SSD_MARKER = "pool.json"
+_SSD_LOCK = "lock"
+_SSD_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_SSD_MAC_BYTES = 16
+
+
+@dataclass(frozen=True)
+class SsdOwner:
+    """The pool an SSD directory belongs to, and the key (from the pool secret) its headers are MACed with.
+
+    ``uid`` is the KVPool's metadata.uid in a cluster (a pool deleted and created again under the same
+    name gets a new directory); standalone pools have none and are told apart by ``key_id``, a
+    fingerprint of the key, so two pools with different secrets never share a directory.
+    """
+
+    namespace: str
+    name: str
+    uid: str
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def for_pool(cls, *, secret: bytes, namespace: str, name: str, uid: str = "") -> SsdOwner:
+        from daybreak.pool.credentials import ssd_header_key
+
+        return cls(namespace=namespace, name=name, uid=uid, key=ssd_header_key(secret))
+
+    @property
+    def key_id(self) -> str:
+        """A public fingerprint of the key (no secret can be learned from it): what a marker records."""
+        return hmac.new(self.key, b"key-id", hashlib.sha256).hexdigest()[:16]
+
+    @property
+    def dir_name(self) -> str:
+        """``<namespace>_<name>_<uid>`` (``standalone_<name>_<key_id>`` without a uid)."""
+        return f"{slug(self.namespace or 'standalone')}_{slug(self.name)}_{slug(self.uid) or self.key_id}"
+
+    def marker(self) -> dict[str, str]:
+        """The pool dir's pool.json: who owns it, MACed so another secret's marker is told apart."""
+        fields = {"namespace": self.namespace, "name": self.name, "uid": self.uid, "keyId": self.key_id}
+        return {**fields, "mac": self._mac(json.dumps(fields, sort_keys=True).encode()).hex()}
+
+    def marker_ok(self, marker: object) -> bool:
+        return isinstance(marker, dict) and hmac.compare_digest(json.dumps(marker, sort_keys=True),
+                                                                json.dumps(self.marker(), sort_keys=True))
+
+    def header_mac(self, head: bytes, key: bytes) -> bytes:
+        """MAC of a block file's header fields and key: binds its key, size and CRC-32C to this pool."""
+        return self._mac(head[:_SSD_HEAD.size - _SSD_MAC_BYTES] + key)[:_SSD_MAC_BYTES]
+
+    def _mac(self, data: bytes) -> bytes:
+        return hmac.new(self.key, data, hashlib.sha256).digest()
+
+
+def ssd_directory(*, root: Path, owner: SsdOwner, agent: str) -> Path:
+    """Where one agent of ``owner`` keeps its SSD blocks under the configured ``root``."""
+    return root / owner.dir_name / slug(agent)
 
 
 class SsdTier:
-    """One file per block under ``directory``; every read re-checks the block's CRC-32C."""
+    """One file per block under ``directory``, headers MACed with the pool's key; every read re-checks MAC and CRC.
+
+    NOTHING IS ADOPTED THAT THIS POOL'S KEY DID NOT SIGN: a file whose header MAC fails (another pool's,
+    planted, or written before issue 22) is refused, counted (``on_refused``), logged once per reason and
+    removed, never served. Writes go to a temporary name and are renamed into place, so a crash leaves
+    a whole block or none (and stray temporaries are removed at the next start).
+    """
 
     name = "ssd"
 
-    def __init__(self, *, directory: Path, capacity: int) -> None:
+    def __init__(self, *, directory: Path, capacity: int, owner: SsdOwner,
+                 on_refused: Callable[[str, int], None] | None = None) -> None:
         self.directory = directory
         self.capacity = capacity
+        self.owner = owner
         self.used = 0
-        directory.mkdir(parents=True, exist_ok=True)
+        self._on_refused = on_refused
+        self._lock_fd = -1
+        self._foreign = False
 
     def path(self, key: str) -> Path:
         digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         return self.directory / digest[:2] / f"{digest}.blk"
 
+    def _refused(self, reason: str, count: int) -> None:
+        if count and self._on_refused is not None:
+            self._on_refused(reason, count)
+
+    def open(self) -> None:
+        """Create (or check) the pool and agent directories, take the agent dir's lock, check the pool marker.
+
+        Refused with an error naming the path: a directory that is a symlink or not this user's (the
+        kubelet follows links in a hostPath; nobody else's directory is written into), and a lock held by
+        a live agent. A marker written under another secret is logged, its blocks are refused, and the
+        marker is replaced by this pool's.
+        """
+        pool_dir = self.directory.parent
+        pool_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the root: the admin's, links allowed
+        for d in (pool_dir, self.directory):
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or not _owned(st):
+                raise RuntimeError(f"SSD tier: {d} is a symlink or not owned by uid {os.geteuid()}; "
+                                   "remove it (or pick another ssd_path) and start again")
+        self._lock_fd = os.open(self.directory / _SSD_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise RuntimeError(f"SSD tier: {self.directory} is held by another live agent of the same pool and "
+                               "address; stop it first or pick another --listen/--pool") from None
+        os.utime(self.directory / _SSD_LOCK)  # the orphan sweep's clock starts at the last start
+        marker_path = pool_dir / _SSD_MARKER
+        try:
+            found: object = json.loads(marker_path.read_text()) if _private_file(marker_path, None) else None
+        except (OSError, ValueError) as exc:
+            found = {"unreadable": str(exc)}
+        if found is not None and not self.owner.marker_ok(found):
+            self._foreign = True
+            claimed = found.get("keyId", "?") if isinstance(found, dict) else "?"
+            log.warning("event=ssd_dir_refused dir=%s reason=foreign_marker marker_key_id=%s key_id=%s "
+                        "action=blocks_refused_marker_replaced", pool_dir, claimed, self.owner.key_id)
+        if found is None or self._foreign:
+            tmp = pool_dir / f".{_SSD_MARKER}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner.marker(), f, sort_keys=True)
+            os.replace(tmp, marker_path)
+
     def scan(self) -> Iterator[tuple[str, int, int]]:
-        """(key, size, checksum) of every block file whose header parses; data is checked on read."""
+        """(key, size, checksum) of every block file this pool's key signed; data is checked on read."""
+        if self._lock_fd < 0:
+            self.open()
+        refused: dict[str, int] = {}
+        for tmp in self.directory.glob("*/*.tmp"):  # a write a crash interrupted: never renamed into place
+            tmp.unlink(missing_ok=True)
         for path in self.directory.glob("*/*.blk"):
             try:
+                if self._foreign:
+                    raise _Refused("foreign_dir")
                 with path.open("rb") as f:
                     head = f.read(_SSD_HEAD.size)
-                    magic, key_len, size, dcrc = _SSD_HEAD.unpack(head)
-                    key = f.read(key_len).decode()
+                    if head[:4] == _SSD_LEGACY_MAGIC:
+                        raise _Refused("legacy_unauthenticated")
+                    magic, key_len, size, dcrc, mac = _SSD_HEAD.unpack(head)
+                    raw_key = f.read(key_len)
                 if magic != _SSD_MAGIC or path.stat().st_size != _SSD_HEAD.size + key_len + size:
-                    raise ValueError("bad header or length")
-            except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
-                log.warning("event=ssd_block_dropped path=%s reason=%s", path, exc)
-                path.unlink(missing_ok=True)
+                    raise _Refused("bad_header")
+                if not hmac.compare_digest(mac, self.owner.header_mac(head, raw_key)):
+                    raise _Refused("bad_mac")
+                key = raw_key.decode()
+                if self.path(key) != path:
+                    raise _Refused("misplaced")
+            except (OSError, struct.error, UnicodeDecodeError):
+                reason = "bad_header"
+            except _Refused as exc:
+                reason = str(exc)
+            else:
+                self.used += size
+                yield key, size, dcrc
                 continue
-            self.used += size
-            yield key, size, dcrc
+            refused[reason] = refused.get(reason, 0) + 1
+            path.unlink(missing_ok=True)
+        for reason, count in sorted(refused.items()):
+            # One line per reason, not per file: a directory of another pool's files is one event.
+            log.warning("event=ssd_blocks_refused dir=%s reason=%s count=%d action=removed_not_adopted",
+                        self.directory, reason, count)
+            self._refused(reason, count)
+        self._foreign = False
 
     def write(self, key: str, data: memoryview, checksum: int) -> None:
         path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         k = key.encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        head = _SSD_HEAD.pack(_SSD_MAGIC, len(k), len(data), checksum, b"\0" * _SSD_MAC_BYTES)
+        head = head[:-_SSD_MAC_BYTES] + self.owner.header_mac(head, k)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, _SSD_HEAD.pack(_SSD_MAGIC, len(k), len(data), checksum) + k)
+            os.write(fd, head + k)
             view = data
             while len(view):
                 view = view[os.write(fd, view):]
@@ -469,12 +621,13 @@ class SsdTier:
         self.used += len(data)
 
     def read_into(self, key: str, out: memoryview, checksum: int) -> bool:
-        """Fill ``out`` with the block; False (and the file removed) when it is missing or corrupt."""
+        """Fill ``out`` with the block; False when it is missing, corrupt or not signed by this pool's key."""
         path = self.path(key)
         try:
             with path.open("rb", buffering=0) as f:
-                magic, key_len, size, dcrc = _SSD_HEAD.unpack(f.read(_SSD_HEAD.size))
-                stored_key = f.read(key_len).decode(errors="replace")
+                head = f.read(_SSD_HEAD.size)
+                magic, key_len, size, dcrc, mac = _SSD_HEAD.unpack(head)
+                raw_key = f.read(key_len)
                 got = 0
                 while got < len(out):
                     n = f.readinto(out[got:])
@@ -484,7 +637,13 @@ class SsdTier:
         except (OSError, struct.error) as exc:
             log.warning("event=ssd_read_failed key=%s reason=%s", key, exc)
             return False
-        ok = (magic == _SSD_MAGIC and stored_key == key and size == len(out) and got == size
+        if not hmac.compare_digest(mac, self.owner.header_mac(head, raw_key)):
+            # Replaced after the scan adopted it: refused like any file this pool did not sign.
+            log.warning("event=ssd_blocks_refused dir=%s reason=bad_mac count=1 key=%s action=removed_not_served",
+                        self.directory, key)
+            self._refused("bad_mac", 1)
+            return False
+        ok = (magic == _SSD_MAGIC and raw_key == key.encode() and size == len(out) and got == size
               and dcrc == checksum and crc32c(out) == checksum)
         if not ok:
             log.warning("event=block_corrupt tier=ssd key=%s action=removed", key)
@@ -496,6 +655,126 @@ class SsdTier:
             self.used -= size
         except FileNotFoundError:
             pass
+
+    def close(self, *, remove: bool = False) -> None:
+        """Release the lock; ``remove`` deletes this agent's directory (and the pool's, once no agent dir is left)."""
+        if remove and self._lock_fd >= 0:
+            _remove_tree(self.directory)
+            _remove_pool_dir_if_empty(self.directory.parent)
+            log.info("event=ssd_removed dir=%s", self.directory)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+class _Refused(Exception):
+    """A block file the scan does not adopt; the message is the reason counted."""
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory tree without following symlinks (rmtree refuses a symlinked top, never follows inside)."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)
+
+
+def _remove_pool_dir_if_empty(pool_dir: Path) -> None:
+    """Remove a pool dir holding nothing but its marker (and a stray temporary marker)."""
+    try:
+        left = [p for p in pool_dir.iterdir() if p.name != _SSD_MARKER and not p.name.endswith(".tmp")]
+    except FileNotFoundError:
+        return
+    if not left:
+        _remove_tree(pool_dir)
+
+
+def _agent_dir_idle_seconds(agent_dir: Path, now: float) -> float:
+    """Seconds since anything changed in an agent dir: its lock (touched at start) and its xx dirs (every write)."""
+    newest = agent_dir.lstat().st_mtime
+    for entry in agent_dir.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            newest = max(newest, entry.lstat().st_mtime)
+    return now - newest
+
+
+def reclaim_ssd_orphans(*, root: Path, owner: SsdOwner, keep: Path, older_than_seconds: float) -> int:
+    """At start: remove agent directories under ``root`` nobody will re-adopt; returns how many went.
+
+    An agent directory (any pool's, this user's, never a symlink) goes when no live agent holds its lock
+    and either its pool is known to be gone, or nothing in it changed for ``older_than_seconds`` (the rule
+    the DRAM tier's /dev/shm orphans follow). An agent sees only its own KVPool in the API, so "known to be
+    gone" is one case: a directory of this pool's namespace and name with another uid (the pool was deleted
+    and created again). Legacy directories (``<root>/<address>``, before issue 22, never adopted) go by age.
+    Pool dirs left holding only their marker go too. ``keep`` (this agent's own directory) is never touched.
+    """
+    removed = 0
+    now = time.time()
+    try:
+        entries = sorted(root.iterdir())
+    except FileNotFoundError:
+        return 0
+    for pool_dir in entries:
+        if not _own_dir(pool_dir):
+            continue
+        marker: object = None
+        with contextlib.suppress(OSError, ValueError):
+            marker = json.loads((pool_dir / _SSD_MARKER).read_text())
+        if isinstance(marker, dict):
+            replaced = bool(owner.uid and marker.get("namespace") == owner.namespace
+                            and marker.get("name") == owner.name and marker.get("uid") != owner.uid)
+            candidates = [d for d in sorted(pool_dir.iterdir()) if _own_dir(d)]
+        elif _looks_like_agent_dir(pool_dir):
+            replaced, candidates = False, [pool_dir]
+        else:
+            continue  # not a tier this code wrote: leave it alone
+        for agent_dir in candidates:
+            if agent_dir == keep or not _looks_like_agent_dir(agent_dir):
+                continue
+            reason = "pool_replaced" if replaced else ("legacy" if agent_dir == pool_dir else "idle")
+            if not replaced and _agent_dir_idle_seconds(agent_dir, now) < older_than_seconds:
+                continue
+            if _remove_if_unlocked(agent_dir):
+                removed += 1
+                log.info("event=ssd_orphan_reclaimed dir=%s reason=%s", agent_dir, reason)
+        if isinstance(marker, dict) and pool_dir != keep.parent:
+            _remove_pool_dir_if_empty(pool_dir)
+    return removed
+
+
+def _owned(st: os.stat_result) -> bool:
+    """This user's; a root agent (rdma, huge pages) also takes 65532's, which the ssd-owner init container
+    hands the whole root to (``operator/pool.py``) whichever pool's agent created a directory."""
+    return st.st_uid == os.geteuid() or os.geteuid() == 0
+
+
+def _own_dir(path: Path) -> bool:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _owned(st)
+
+
+def _looks_like_agent_dir(path: Path) -> bool:
+    """Only ``lock`` and ``xx`` block subdirectories: the shape SsdTier writes, so nothing else is deleted."""
+    names = [p.name for p in path.iterdir()]
+    return bool(names) and all(n == _SSD_LOCK or _SSD_SUBDIR.fullmatch(n) for n in names)
+
+
+def _remove_if_unlocked(agent_dir: Path) -> bool:
+    """Remove ``agent_dir`` unless a live agent holds its lock (taken here for the removal)."""
+    fd = -1
+    try:
+        fd = os.open(agent_dir / _SSD_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its owner is alive
+        if fd >= 0:
+            os.close(fd)
+        return False
+    try:
+        _remove_tree(agent_dir)
+    finally:
+        os.close(fd)
+    return True
 
 
 _ZERO_CHUNK = 4 << 20
