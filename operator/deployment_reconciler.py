@@ -82,7 +82,7 @@ class DeploymentReconciler:
         try:
             pdd = PDDeployment.from_body(body)
         except ValidationError as exc:
-            await self.status.invalid(key, body, exc)
+            await self.status.invalid(key, body=body, exc=exc)
             return "invalid"
         generation = body["metadata"].get("generation")
         pool_name = pdd.spec.pool_ref.name
@@ -101,7 +101,7 @@ class DeploymentReconciler:
             if was.get("reason") != "PoolNotFound":
                 self.events.record(body, reason="PoolNotFound", type=WARNING,
                                    message=f"KVPool {pool_name!r} not found in namespace {ns!r}; waiting for it")
-            await self.status.write(key, stored, status)
+            await self.status.write(key, body=stored, status=status)
             self.state.needs_apply.add(key)  # apply everything once the pool shows up
             return "waiting"
         try:
@@ -111,14 +111,14 @@ class DeploymentReconciler:
         names = pdd_mod.DeploymentNames(name)
         rev = old_status.get("revision")
         live = {r: self.state.cached_child("Deployment", ns, names.role(r)) for r in ALL_ROLES}
-        hold, released = self.rollout.holds(key, pdd, live)
+        hold, released = self.rollout.holds(key, pdd=pdd, live=live)
         if released:
             full = True  # prefill finished rolling to the new namespace: decode may follow now
         if full:
             try:
                 desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
             except PolicyError as exc:
-                await self.status.refuse(key, body, exc)
+                await self.status.refuse(key, body=body, exc=exc)
                 return "refused"
             # The pods' ServiceAccount first: a pod naming a missing one is refused at admission.
             await self.applier.apply_all(body, [(m, pdd_mod.access_labels(pdd)) for m in desired.access])
@@ -140,8 +140,8 @@ class DeploymentReconciler:
         status = pdd_mod.status(pdd, pool=pool, workloads=workloads, revision=rev, existing=old_status,
                                 generation=generation, held=tuple(hold))
         self.rollout.retire_namespace(body, pdd, old=old_status, status=status, workloads=workloads)
-        await self.rollout.flush_retired(body, pool_body, status)
-        await self.status.write(key, stored, status)
+        await self.rollout.flush_retired(body, pool_body=pool_body, status=status)
+        await self.status.write(key, body=stored, status=status)
         return "success"
 
     def _with_scale(self, ns: str, name: str, body: Manifest) -> Manifest:

@@ -52,12 +52,12 @@ class PoolReconciler:
         try:
             pool = KVPool.from_body(body)
         except ValidationError as exc:
-            await self.status.invalid(key, body, exc)
+            await self.status.invalid(key, body=body, exc=exc)
             return "invalid"
         violations = pool_violations(pool, self.settings.pool_policy)
         if violations:
             # Nothing is applied: what exists keeps running (no data loss) until the pool is fixed.
-            await self.status.refuse(key, body, PolicyError(violations))
+            await self.status.refuse(key, body=body, exc=PolicyError(violations))
             return "refused"
         generation = body["metadata"].get("generation")
         problems: list[Condition] = []
@@ -76,7 +76,7 @@ class PoolReconciler:
             status["conditions"] = merge(status["conditions"], problems, generation=generation)
         old_ready = {c.get("type"): (c.get("status"), c.get("reason")) for c in old_status.get("conditions") or []}
         new_ready = {c.get("type"): (c.get("status"), c.get("reason")) for c in status["conditions"]}
-        await self.status.write(key, body, status)
+        await self.status.write(key, body=body, status=status)
         if old_ready != new_ready:
             self.state.touch_dependents(ns, name, full=False)  # their Degraded condition follows the pool's
         return "success"

@@ -45,7 +45,7 @@ class Rollout:
         self.check_leader = check_leader
         self.holding: set[Key] = set()  # deployments whose decode waits for prefill's rollout
 
-    def holds(self, key: Key, pdd: PDDeployment, live: Workloads) -> tuple[dict[Role, Manifest], bool]:
+    def holds(self, key: Key, *, pdd: PDDeployment, live: Workloads) -> tuple[dict[Role, Manifest], bool]:
         """The roles kept on their live pod template for now, and whether a hold just lifted (so the
         reconcile must apply everything: prefill finished rolling to the new namespace, decode may follow)."""
         hold = pdd_mod.rollout_holds(pdd, live)
@@ -90,7 +90,7 @@ class Rollout:
         status["retiredKVNamespace"] = {**retiring, "policy": policy, "retiredAt": now, "message": message}
         status["retiringKVNamespace"] = None
 
-    async def flush_retired(self, body: Manifest, pool_body: Manifest, status: dict[str, Any]) -> None:
+    async def flush_retired(self, body: Manifest, *, pool_body: Manifest, status: dict[str, Any]) -> None:
         """updateStrategy.cache flush: ask the pool's agents through the KVPool status, then sum their KVNode reports.
 
         The request is (kvNamespace, retiredAt) in ``status.flushRequests`` of the KVPool; each agent flushes
@@ -105,12 +105,12 @@ class Rollout:
         if retired.get("policy") != "flush" or retired.get("bytesFreed") is not None or not retired.get("retiredAt"):
             return
         try:
-            await self._flush_step(body, pool_body, status, retired)
+            await self._flush_step(body, pool_body=pool_body, status=status, retired=retired)
         except KubeError as exc:  # the deployment's own status still gets written; the next reconcile retries
             logger.warning("cache flush step failed kvNamespace=%s status=%s error=%s; retrying at the next "
                            "reconcile", retired.get("kvNamespace"), exc.status, exc)
 
-    async def _flush_step(self, body: Manifest, pool_body: Manifest, status: dict[str, Any],
+    async def _flush_step(self, body: Manifest, *, pool_body: Manifest, status: dict[str, Any],
                           retired: dict[str, Any]) -> None:
         old_ns, at = str(retired.get("kvNamespace")), str(retired["retiredAt"])
         meta = body["metadata"]

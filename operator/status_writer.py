@@ -34,7 +34,7 @@ class StatusWriter:
         self.events = events
         self.check_leader = check_leader
 
-    async def write(self, key: Key, body: Manifest, status: dict[str, Any]) -> Manifest:
+    async def write(self, key: Key, *, body: Manifest, status: dict[str, Any]) -> Manifest:
         """Merge-patch ``status`` onto ``body`` (the stored object) unless it is what is stored already."""
         if status == (body.get("status") or {}):
             return body
@@ -48,7 +48,7 @@ class StatusWriter:
         self.state.cache_parent(key, updated)
         return updated
 
-    async def invalid(self, key: Key, body: Manifest, exc: ValidationError) -> None:
+    async def invalid(self, key: Key, *, body: Manifest, exc: ValidationError) -> None:
         """The stored object does not parse: Ready=False InvalidSpec naming the first field at fault."""
         errors = exc.errors()
         if errors:
@@ -61,9 +61,9 @@ class StatusWriter:
             Condition(type="Ready", status=FALSE, reason="InvalidSpec", message=message),
         ], generation=(body.get("metadata") or {}).get("generation"))
         logger.warning("invalid object kind=%s namespace=%s name=%s error=%r", key[0], key[1], key[2], message)
-        await self.write(key, body, status)
+        await self.write(key, body=body, status=status)
 
-    async def refuse(self, key: Key, body: Manifest, exc: PolicyError) -> None:
+    async def refuse(self, key: Key, *, body: Manifest, exc: PolicyError) -> None:
         """The object asks for more than the pool policy allows: say which field, apply nothing."""
         message = str(exc)[:1000]
         status = dict(body.get("status") or {})
@@ -76,7 +76,7 @@ class StatusWriter:
             (c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
         if was.get("message") != message:
             self.events.record(body, reason="PolicyViolation", message=message, type=WARNING)
-        await self.write(key, body, status)
+        await self.write(key, body=body, status=status)
 
     async def report_failure(self, key: Key, message: str) -> None:
         """Best effort: put a failed reconcile where users look (a condition and an Event)."""
@@ -89,7 +89,7 @@ class StatusWriter:
                 Condition(type="Ready", status=FALSE, reason="ReconcileFailed", message=message[:1000]),
                 Condition(type="Degraded", status=TRUE, reason="ReconcileFailed", message=message[:1000]),
             ], generation=(body.get("metadata") or {}).get("generation"))
-            await self.write(key, body, status)
+            await self.write(key, body=body, status=status)
             self.events.record(body, reason="ReconcileFailed", message=message, type=WARNING)
         except (KubeError, NotLeader) as exc:
             logger.debug("could not report failure kind=%s name=%s error=%s", kind, name, exc)
