@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -124,15 +123,12 @@ class DeploymentReconciler:
             await self.applier.apply_all(body, [(m, pdd_mod.access_labels(pdd)) for m in desired.access])
             results = await self.applier.apply_all(
                 body, [(m, pdd_mod.labels_for(pdd, role)) for role, m in desired.applied], concurrent=True)
-            for result in results:
-                if result.obj.get("kind") == "Deployment":
-                    self.state.cache_child(result.obj)
+            self.state.cache_applied(r.obj for r in results)
             if not pdd.spec.router.enabled:
                 await self._remove_router(ns, desired.router_names)
             self._record_changes(body, pdd, live, old_rev=rev, new_rev=desired.revision)
             rev = desired.revision
-            self.state.applied.add(key)
-            self.state.last_reconciled[key] = time.monotonic()
+            self.state.mark_applied(key)
         workloads = {r: self.state.cached_child("Deployment", ns, names.role(r)) for r in ALL_ROLES}
         if not pdd.spec.router.enabled:
             workloads[Role.ROUTER] = None

@@ -11,7 +11,6 @@ its PDDeployments (their Degraded condition follows the pool's).
 from __future__ import annotations
 
 import logging
-import time
 
 from pydantic import ValidationError
 
@@ -98,12 +97,10 @@ class PoolReconciler:
                 problems.append(Condition(type="Ready", status=FALSE, reason="SecretNotFound",
                     message=f"spec.auth.secretRef names Secret {secret!r}, which does not exist; create it with a key "
                             f"{pool_mod.TOKEN_KEY!r} (agents cannot start without it)"))
-        for result in await self.applier.apply_all(body, [(m, labels) for m in desired.applied]):
-            if result.obj.get("kind") == "DaemonSet":
-                self.state.cache_child(result.obj)
+        results = await self.applier.apply_all(body, [(m, labels) for m in desired.applied])
+        self.state.cache_applied(r.obj for r in results)
         await self.binding.bind(ns, pool_mod.PoolNames(name, ns).service_account)
-        self.state.applied.add(key)
-        self.state.last_reconciled[key] = time.monotonic()
+        self.state.mark_applied(key)
         return problems
 
     async def _agent_reports(self, pods: list[Manifest]) -> list[pool_mod.AgentReport]:

@@ -14,9 +14,11 @@ nothing a previous term believed is trusted without a fresh look.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from typing import Any
 
-from daybreak.operator.children import MANAGER
+from daybreak.operator.children import MANAGER, WATCHED_KINDS
 from daybreak.operator.kube import KVPOOL, PDDEPLOYMENT, Manifest, ResourceKind
 from daybreak.operator.workqueue import WorkQueue
 
@@ -79,6 +81,11 @@ class TermState:
             if dns == ns and pname == pool:
                 self.request((PDD, dns, dname), full=full)
 
+    def mark_applied(self, key: Key) -> None:
+        """Every child of ``key`` was applied: later triggers may ask for a status refresh only."""
+        self.applied.add(key)
+        self.last_reconciled[key] = time.monotonic()
+
     def cached_child(self, kind: str, ns: str | None, name: str) -> Manifest | None:
         return self.children.get((kind, ns or "", name))
 
@@ -86,6 +93,13 @@ class TermState:
         """Remember a child as the apiserver returned it (after an apply)."""
         meta = obj["metadata"]
         self.children[(str(obj.get("kind")), str(meta.get("namespace") or ""), str(meta["name"]))] = slim(obj)
+
+    def cache_applied(self, objs: Iterable[Manifest]) -> None:
+        """Remember the watched children (Deployments, DaemonSets) among what an apply returned: the status
+        computed right after, and the applier's skip of an untouched child, read them from here."""
+        for obj in objs:
+            if obj.get("kind") in WATCHED_KINDS:
+                self.cache_child(obj)
 
     def cache_parent(self, key: Key, body: Manifest) -> None:
         """Remember a KVPool or PDDeployment body as the apiserver returned it."""
