@@ -1,11 +1,13 @@
 """The planner's loop in the operator: every intervalSeconds per autoscaled PDDeployment, scrape, decide, hand over.
 
-Runs inside one leadership term (the Controller owns it, so a standby never
-plans). It only reads (pods, their /metrics) and annotates pods with their
-deletion cost; the replica change itself goes through the controller's work
-queue (``Controller.submit_scale``), so the decision, status.lastScale and the
-Deployment apply happen in one reconcile of that object and never race another
-worker. Every write checks the leader fence first.
+Runs inside one leadership term (the term starts and stops it, so a standby
+never plans). It only reads (pods, their /metrics) and annotates pods with
+their deletion cost; the replica change itself is handed to the
+``submit_scale`` callable the wiring gives it (the PDDeployment reconciler's,
+which queues the object), so the decision, status.lastScale and the
+Deployment apply happen in one reconcile of that object and never race
+another worker. It knows no reconciler and no controller. Every write checks
+the leader fence first.
 
 ORDER ON SCALE-IN: the deletion costs are written before the lower replica
 count is handed over, so the ReplicaSet controller already knows which pod
@@ -18,21 +20,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import aiohttp
 from pydantic import ValidationError
 
-from daybreak.api.pddeployment import LastScale, PDDeployment, Role
+from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
-from daybreak.operator.kube import POD, KubeError, Manifest
+from daybreak.operator.kube import POD, KubeClient, KubeError, Manifest
 from daybreak.operator.metrics_scrape import pod_is_live, scrape, scrape_target
 from daybreak.operator.planner import Decision, RolePlanner, Targets, deletion_costs
-
-if TYPE_CHECKING:
-    from daybreak.operator.controller import Controller
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,24 @@ def targets_of(pdd: PDDeployment) -> Targets:
                    tolerance=a.tolerance)
 
 
+class SubmitScale(Protocol):
+    """Where decisions go: the owner of the PDDeployment's reconcile applies them (the planner never writes
+    replicas itself)."""
+
+    def __call__(self, *, namespace: str, name: str, decisions: list[Decision]) -> None: ...
+
+
 class Autoscaler:
     """Planner state per (namespace, deployment, role) and the loop that feeds it."""
 
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
+    def __init__(self, client: KubeClient, *, deployments: Mapping[tuple[str, str], Manifest],
+                 check_leader: Callable[[], None], submit_scale: SubmitScale) -> None:
+        """``deployments``: the term's latest PDDeployment bodies by (namespace, name), read at every tick;
+        ``check_leader`` raises when this process may not write; ``submit_scale`` takes the decisions."""
+        self.client = client
+        self.deployments = deployments
+        self.check_leader = check_leader
+        self.submit_scale = submit_scale
         self.planners: dict[tuple[str, str, str], RolePlanner] = {}
         self.due: dict[tuple[str, str], float] = {}
         self.running: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -74,7 +86,7 @@ class Autoscaler:
 
     def _tick(self, now: float) -> None:
         live = set()
-        for (ns, name), body in list(self.controller.pdds.items()):
+        for (ns, name), body in list(self.deployments.items()):
             auto = ((body.get("spec") or {}).get("autoscaling") or {})
             if not auto.get("enabled"):
                 continue
@@ -113,7 +125,7 @@ class Autoscaler:
         prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
         for role in pdd_mod.ENGINE_ROLES:  # prefill first
             selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
-            pods = [p for p in await self.controller.client.list(POD, namespace=ns, label_selector=selector)
+            pods = [p for p in await self.client.list(POD, namespace=ns, label_selector=selector)
                     if pod_is_live(p)]
             names = [str(p["metadata"]["name"]) for p in pods]
             wanted = [t for p in pods if (t := scrape_target(p, port=pdd_mod.ENGINE_PORT)) is not None]
@@ -138,7 +150,7 @@ class Autoscaler:
                     await self._mark_victims(ns, pods, samples=planner.samples)
                 decisions.append(decision)
         if decisions:
-            self.controller.submit_scale(ns, name, decisions)
+            self.submit_scale(namespace=ns, name=name, decisions=decisions)
         return decisions
 
     def _export(self, ns: str, name: str, d: Decision) -> None:
@@ -161,9 +173,9 @@ class Autoscaler:
             value = str(costs[pod_name])
             if ((pod["metadata"].get("annotations") or {}).get(DELETION_COST)) == value:
                 continue
-            self.controller.applier.check_leader()
+            self.check_leader()
             with contextlib.suppress(KubeError):  # a pod that vanished meanwhile needs no cost
-                await self.controller.client.patch_merge(
+                await self.client.patch_merge(
                     POD, pod_name, {"metadata": {"annotations": {DELETION_COST: value}}}, namespace=ns)
         logger.info("scale-in victims ranked namespace=%s costs=%s", ns, costs)
 
@@ -175,9 +187,3 @@ class _Done:
 
 _DONE: Any = _Done()
 
-
-def last_scale(decision: Decision, *, when: datetime) -> dict[str, Any]:
-    """status.lastScale for a decision, through the API model (wire names; numbers rounded: status is for people)."""
-    return LastScale(time=when, role=Role(decision.role), from_replicas=decision.current, to_replicas=decision.desired,
-                     reason=decision.reason[:1024],
-                     numbers={k: round(v, 6) for k, v in decision.numbers.items()}).to_dict()

@@ -4,7 +4,9 @@ Lowest first: ``daybreak.errors`` (the exception root) and ``daybreak.api``
 (models, no I/O) <- ``daybreak.pool`` (the pool's contract) <-
 ``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which reads
 ``agent/settings.py`` only) <- the CLI (the ``daybreak/`` folder),
-``daybreak.bench`` and ``daybreak.testing``. Function-level imports count the
+``daybreak.bench`` and ``daybreak.testing``. Inside the operator the same
+holds module by module (``OPERATOR_LAYERS``), and its reconcilers and planner
+loop never import each other. Function-level imports count the
 same as module-level ones. Each rule is also checked against a planted
 violation in a throwaway tree, so the checker cannot pass by finding nothing.
 """
@@ -26,6 +28,22 @@ REPO = Path(__file__).resolve().parent.parent
 BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.version"}
 # The one documented crossing between the two logic packages.
 OPERATOR_MAY_READ = ("daybreak.agent.settings",)
+# Inside the operator, lowest first: a module imports from its own layer or lower ones only. The
+# reconcilers and the planner loop (APART) never import each other: what they share sits below them
+# (state, status writer, rollout), and the planner reaches the PDDeployment reconciler only through the
+# submit_scale callable the term hands it. Modules not named here are not checked.
+OPERATOR_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "policy", "planner",
+     "metrics_scrape", "children"),
+    ("pool", "deployment"),
+    ("state",),
+    ("status_writer", "agent_binding", "rollout"),
+    ("pool_reconciler", "deployment_reconciler", "autoscaler"),
+    ("kopf_adapter",),
+    ("controller",),
+    ("main",),
+)
+APART = 4
 # Transports sit below the engine and never import it.
 TRANSPORT_MODULES = ("shm", "tcp", "rdma", "link", "transport", "registry", "control")
 
@@ -116,10 +134,31 @@ def violations(root: Path) -> list[str]:
                 continue
             if any(_under(imp.target, f) for f in forbidden):
                 out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} ({why})")
+        if (why := _operator_order(imp.module, imp.target)) is not None:
+            out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} ({why})")
         if imp.module in transports and _under(imp.target, "daybreak.agent.transfer.engine"):
             out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} (transports report through "
                        "TransportHost, never import the engine)")
     return out
+
+
+def _operator_layer(module: str) -> tuple[str, int] | None:
+    if not module.startswith("daybreak.operator."):
+        return None
+    name = module.split(".")[2]
+    return next(((name, i) for i, layer in enumerate(OPERATOR_LAYERS) if name in layer), None)
+
+
+def _operator_order(module: str, target: str) -> str | None:
+    """Why importing ``target`` from ``module`` breaks the operator's inner layers, or None."""
+    mine, theirs = _operator_layer(module), _operator_layer(target)
+    if mine is None or theirs is None or mine[0] == theirs[0]:
+        return None
+    if theirs[1] > mine[1]:
+        return "inside the operator, lower layers never import higher ones"
+    if theirs[1] == mine[1] == APART:
+        return "the reconcilers and the planner loop never import each other"
+    return None
 
 
 def named_loggers(root: Path) -> list[str]:
@@ -203,6 +242,10 @@ def test_the_checks_find_planted_violations(tmp_path: Path) -> None:
         "operator/__init__.py": "",
         "operator/pool.py": "def f():\n    from daybreak.agent.settings import AgentSettings\n"
                             "    from daybreak.agent import main\n",
+        "operator/autoscaler.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from daybreak.operator.controller import Controller\n",
+        "operator/pool_reconciler.py": "from daybreak.operator.state import TermState\n"
+                                       "from daybreak.operator import deployment_reconciler\n",
         "testing/__init__.py": "import daybreak.agent.main\nimport daybreak.operator.pool\n",
     }
     for name, text in files.items():
@@ -216,6 +259,9 @@ def test_the_checks_find_planted_violations(tmp_path: Path) -> None:
         "client/aio.py:1: daybreak.client.aio imports daybreak.cli",
         "agent/transfer/tcp.py:1: daybreak.agent.transfer.tcp imports daybreak.agent.transfer.engine.TransferEngine",
         "operator/pool.py:3: daybreak.operator.pool imports daybreak.agent.main",
+        "operator/autoscaler.py:3: daybreak.operator.autoscaler imports daybreak.operator.controller.Controller",
+        "operator/pool_reconciler.py:2: daybreak.operator.pool_reconciler imports "
+        "daybreak.operator.deployment_reconciler",
     ]), found
     assert named_loggers(tmp_path) == ["pool/protocol.py:2: getLogger('daybreak.pool')"]
     assert rootless_errors(tmp_path) == [

@@ -62,7 +62,7 @@ def test_the_operator_requests_a_flush_and_sums_the_agents_reports(kube: LocalCl
         try:
             async def step() -> dict[str, Any]:
                 pool_body = await client.get(KVPOOL, "pool", namespace=ns)
-                await c._flush_retired(pdd, pool_body, status)
+                await c.rollout.flush_retired(pdd, pool_body=pool_body, status=status)
                 return dict(await client.get(KVPOOL, "pool", namespace=ns))
 
             after = await step()

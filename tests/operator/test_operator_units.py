@@ -374,3 +374,100 @@ def test_applier_skips_only_children_nobody_touched_since_our_apply() -> None:
         assert client.calls == 6
 
     asyncio.run(scenario())
+
+
+def _drain(queue: WorkQueue[Any]) -> list[Any]:
+    """The keys queued right now, in order (each handed out and marked done)."""
+
+    async def drain() -> list[Any]:
+        keys = []
+        while len(queue):
+            key = await queue.get()
+            queue.done(key)
+            keys.append(key)
+        return keys
+
+    return asyncio.run(drain())
+
+
+def test_the_watch_intake_asks_for_full_reconciles_on_spec_changes_and_status_refreshes_otherwise() -> None:
+    from daybreak.operator.kopf_adapter import EventIntake
+    from daybreak.operator.state import PDD, POOL, TermState
+
+    state = TermState(namespaces=("ns",), max_backoff_seconds=1.0)
+    forgotten: list[tuple[str, str]] = []
+    intake = EventIntake(state, forget_deployment=lambda ns, name: forgotten.append((ns, name)))
+    pool_key, pdd_key = (POOL, "ns", "p"), (PDD, "ns", "d")
+
+    def pool(generation: int, rv: str) -> dict[str, Any]:
+        return {"kind": "KVPool", "metadata": {"namespace": "ns", "name": "p", "generation": generation,
+                                               "resourceVersion": rv}}
+
+    intake.on_pool_event("ADDED", pool(1, "1"))
+    intake.on_pdd_event("ADDED", {"kind": "PDDeployment", "spec": {"poolRef": {"name": "p"}},
+                                  "metadata": {"namespace": "ns", "name": "d", "generation": 1, "resourceVersion": "2"}})
+    assert _drain(state.queue) == [pool_key, pdd_key] and state.needs_apply == {pool_key, pdd_key}
+    state.needs_apply.clear()
+
+    state.own_status_rv[pool_key] = "3"
+    intake.on_pool_event("MODIFIED", pool(1, "3"))  # the echo of our own status write: nothing to do
+    assert _drain(state.queue) == [] and not state.needs_apply
+    intake.on_pool_event("MODIFIED", pool(2, "4"))  # a spec change: the pool and its deployments re-apply
+    assert _drain(state.queue) == [pdd_key, pool_key] and state.needs_apply == {pool_key, pdd_key}
+    state.needs_apply.clear()
+
+    child = {"kind": "Deployment", "metadata": {
+        "namespace": "ns", "name": "d-decode", "generation": 1,
+        "ownerReferences": [{"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "name": "d",
+                             "controller": True}]}}
+    intake.on_child_event("ADDED", child)
+    intake.on_child_event("MODIFIED", {**child, "status": {"readyReplicas": 1}})  # status only: a refresh
+    assert _drain(state.queue) == [pdd_key] and not state.needs_apply
+    assert state.children[("Deployment", "ns", "d-decode")]["status"] == {"readyReplicas": 1}
+    intake.on_child_event("MODIFIED", {**child, "metadata": {**child["metadata"], "generation": 2}})  # hand edit
+    assert _drain(state.queue) == [pdd_key] and state.needs_apply == {pdd_key}
+    state.needs_apply.clear()
+    intake.on_child_event("DELETED", child)  # drift: put it back now
+    assert _drain(state.queue) == [pdd_key] and state.needs_apply == {pdd_key}
+    assert ("Deployment", "ns", "d-decode") not in state.children
+    state.needs_apply.clear()
+
+    intake.on_pool_event("ADDED", {"kind": "KVPool", "metadata": {"namespace": "other", "name": "p"}})
+    intake.on_child_event("ADDED", {**child, "metadata": {**child["metadata"], "namespace": "other"}})
+    assert _drain(state.queue) == [] and not state.needs_apply  # outside the watched namespaces
+
+    intake.on_pdd_event("DELETED", {"kind": "PDDeployment", "metadata": {"namespace": "ns", "name": "d"}})
+    assert forgotten == [("ns", "d")] and ("ns", "d") not in state.pdds and ("ns", "d") not in state.pool_of
+    intake.on_pool_event("MODIFIED", pool(3, "5"))  # the deleted deployment is no dependent any more
+    assert _drain(state.queue) == [pool_key]
+
+
+def test_planner_decisions_reach_the_deployments_next_reconcile_through_submit_scale() -> None:
+    """The autoscaler holds only a ``submit_scale`` callable: the decision is queued as a full reconcile and
+    written into status (desiredReplicas, lastScale, an Event) by that reconcile, not by the planner."""
+    from daybreak.operator.autoscaler import Autoscaler
+    from daybreak.operator.deployment_reconciler import DeploymentReconciler
+    from daybreak.operator.planner import Decision
+    from daybreak.operator.state import PDD, TermState
+
+    state = TermState(namespaces=(), max_backoff_seconds=1.0)
+    recorded: list[tuple[str, str]] = []
+
+    class Events:
+        def record(self, obj: dict[str, Any], *, reason: str, message: str, type: str = "Normal") -> None:
+            recorded.append((reason, message))
+
+    reconciler = DeploymentReconciler(None, state, settings=OperatorSettings(), applier=None,  # type: ignore[arg-type]
+                                      events=Events(), status=None, rollout=None)  # type: ignore[arg-type]
+    autoscaler = Autoscaler(None, deployments=state.pdds, check_leader=lambda: None,  # type: ignore[arg-type]
+                            submit_scale=reconciler.submit_scale)
+    decision = Decision(role="decode", current=2, desired=4, reason="itl above target", numbers={"itl": 0.05})
+    autoscaler.submit_scale(namespace="ns", name="d", decisions=[decision])
+    assert _drain(state.queue) == [(PDD, "ns", "d")] and state.needs_apply == {(PDD, "ns", "d")}
+
+    body = {"metadata": {"namespace": "ns", "name": "d"}, "spec": {"autoscaling": {"enabled": True}}}
+    seen = reconciler._with_scale("ns", "d", body)
+    assert seen["status"]["decode"]["desiredReplicas"] == 4 and seen["status"]["lastScale"]["to"] == 4
+    assert "status" not in body  # the stored body is untouched: the status write compares against it
+    assert recorded == [("Autoscaled", "decode 2 -> 4: itl above target")]
+    assert reconciler._with_scale("ns", "d", body)["status"].get("lastScale") is None  # handed over once

@@ -14,7 +14,7 @@ import yaml
 
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.operator import metrics
-from daybreak.operator.controller import Controller
+from daybreak.operator.deployment_reconciler import DeploymentReconciler
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,6 +40,6 @@ def test_the_gauge_follows_the_planners_replicas_and_the_spec_without_it() -> No
         body = _body(scaled, autoscaling={"enabled": autoscaling}, **bounds)
         pdd = PDDeployment.from_body(body)
         fake = SimpleNamespace(events=None)  # no earlier Deployments: no Scaled events to record
-        Controller._record_changes(fake, body, pdd, {}, old_rev=None, new_rev="r1")  # type: ignore[arg-type]
+        DeploymentReconciler._record_changes(fake, body, pdd, {}, old_rev=None, new_rev="r1")  # type: ignore[arg-type]
         name = body["metadata"]["name"]
         assert {role: _gauge(name, role) for role in want} == want, autoscaling
