@@ -196,7 +196,9 @@ def test_planner_scales_decode_up_then_in_with_status_events_metrics_and_deletio
             return int(ann["controller.kubernetes.io/pod-deletion-cost"])
 
         assert cost("auto-decode-b") < cost("auto-decode-a")
-        assert api.get(path("pdd", "auto")).json()["status"]["lastScale"]["to"] < peak
+        # The status write follows the Deployment's (as for the scale-up): wait for the scale-in's record.
+        wait_for("the scale-in in status.lastScale",
+                 lambda: api.get(path("pdd", "auto")).json()["status"]["lastScale"]["to"] < peak, op=op)
     finally:
         for s in servers:
             s.shutdown()
