@@ -7,6 +7,8 @@ back and compares every byte:
 - ``shm``: two transfer engines of this node, host memory through /dev/shm;
 - ``tcp``: two engines over loopback tcp;
 - ``rdma``: two engines as two nodes over this node's RDMA NICs (the NIC loops the bytes back);
+- ``device``: the accelerator runtime's own copies, host -> device -> device -> host (the
+  allocation, copy and IPC-export calls every device path stands on);
 - ``link``: device memory to device memory of ANOTHER PROCESS through the accelerator
   runtime (IPC handle + peer copy; CUDA opens no IPC handle in the process that exported it);
 - ``pool``: host buffers put into a store agent and got back (``KVPoolClient``);
@@ -46,6 +48,7 @@ from typing import Any
 from daybreak.agent.runtime import load_runtime
 from daybreak.agent.runtime.base import AcceleratorRuntime, DeviceBuffer
 from daybreak.agent.store.tiers import slug
+from daybreak.agent.transfer import registry as transport_registry
 from daybreak.agent.transfer.batch import RequestResult, TransferRequest
 from daybreak.agent.transfer.engine import TransferEngine
 from daybreak.agent.transfer.transport import LocalSegment
@@ -53,7 +56,7 @@ from daybreak.pool.shm import SHM_DIR, ShmSegment
 
 log = logging.getLogger(__name__)
 
-PATHS = ("shm", "tcp", "rdma", "link", "pool", "device-pool")
+PATHS = ("shm", "tcp", "rdma", "device", "link", "pool", "device-pool")
 MiB = 1 << 20
 EXIT_OK, EXIT_FAILED = 0, 1
 # Generous for a 2-core machine moving 64 MiB through a Python tcp stack; a hung path still ends.
@@ -136,7 +139,7 @@ class _DisabledReasons(logging.Handler):
 @contextlib.contextmanager
 def _disabled_reasons() -> Iterator[_DisabledReasons]:
     handler = _DisabledReasons()
-    registry = logging.getLogger("daybreak.agent.transfer.registry")
+    registry = transport_registry.log  # the logger that says why a transport stayed off
     level = registry.level
     registry.addHandler(handler)
     if registry.getEffectiveLevel() > logging.INFO:
@@ -308,6 +311,32 @@ def check_link(runtime: AcceleratorRuntime, *, options: Options) -> PathResult:
             runtime.free(local)
 
 
+def check_device(runtime: AcceleratorRuntime, *, options: Options) -> PathResult:
+    """Host -> device 0 -> a second buffer on device 0 -> host through the runtime, and an IPC handle export."""
+    size = options.size_bytes
+    device = runtime.devices()[0].index
+    buffers: list[DeviceBuffer] = []
+    try:
+        buffers = [runtime.allocate(device, size), runtime.allocate(device, size)]
+        data = os.urandom(size)
+        back = bytearray(size)
+        started = time.perf_counter()
+        runtime.copy_to_device(buffers[0], data)
+        runtime.copy_device(buffers[1], buffers[0], size)
+        runtime.copy_to_host(back, buffers[1])
+        seconds = time.perf_counter() - started
+        if back != data:
+            return failed("device", "host -> device -> device -> host changed the bytes")
+        if not runtime.ipc_handle(buffers[0]):
+            return failed("device", f"the {runtime.name} runtime exported an empty IPC handle")
+        return PathResult(path="device", ok=True, gb_per_s=_gbps(3 * size, seconds))
+    except Exception as exc:
+        return failed("device", f"{type(exc).__name__}: {exc}")
+    finally:
+        for buf in buffers:
+            runtime.free(buf)
+
+
 def _peer_main(args: argparse.Namespace) -> int:
     """The child side of ``check_link``: serve one device segment, answer ``hash OFF LEN`` until ``quit``."""
     loaded = load_runtime(args.runtime, sunrise_lib_dir=args.sunrise_lib_dir)
@@ -476,7 +505,7 @@ def run_checks(paths: Sequence[str] = PATHS, *, options: Options | None = None, 
     results: list[PathResult] = []
     runtime: AcceleratorRuntime | None = None
     no_device = ""
-    if {"link", "device-pool"} & set(paths):
+    if {"device", "link", "device-pool"} & set(paths):
         loaded = load_runtime(options.runtime, sunrise_lib_dir=options.sunrise_lib_dir)
         if loaded.runtime.devices():
             runtime = loaded.runtime
@@ -491,6 +520,8 @@ def run_checks(paths: Sequence[str] = PATHS, *, options: Options | None = None, 
                 result = check_pool(path, options=options)
             elif runtime is None:
                 result = absent(path, no_device)
+            elif path == "device":
+                result = check_device(runtime, options=options)
             elif path == "link":
                 result = check_link(runtime, options=options)
             else:
