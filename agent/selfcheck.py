@@ -460,8 +460,8 @@ def check_pool(path: str, *, options: Options, runtime: AcceleratorRuntime | Non
             started = time.perf_counter()
             stored = client.batch_put(keys, put_from, tier="hbm" if device else "dram")
             put_s = time.perf_counter() - started
-            if stored != [1] * count:
-                return failed(path, f"the agent stored {sum(1 for s in stored if s)} of {count} blocks")
+            if not all(stored):
+                return failed(path, f"the pool stored {sum(1 for s in stored if s)} of {count} blocks")
             started = time.perf_counter()
             sizes = client.batch_get_into(keys, get_into)
             get_s = time.perf_counter() - started

@@ -17,9 +17,19 @@ prefix cache; once vLLM has allocated blocks, the load (pool -> those blocks)
 and, step by step as prefill completes blocks, the saves (blocks -> pool) go
 into the step's metadata. Worker side: loads run synchronously before the
 forward pass with ``batch_get_into`` straight into the KV tensors' block
-regions; saves run after it (``wait_for_save``) with ``batch_put`` from the
-same regions. No intermediate copies: same-node agents are read and written
-through their shared-memory segments (one memcpy each way).
+pieces; saves run after it (``wait_for_save``) with ``batch_put`` from the
+same pieces (``daybreak.connectors.blocks.BlockMover``). No intermediate
+copies: same-node agents are read and written through their shared-memory
+segments (one memcpy each way).
+
+KV layouts: the ``KVCacheLayout`` vLLM's engine core resolved for the
+attention backend (``KVCacheConfig.kv_cache_layout``: ``LBHNC`` on the CPU
+backend, ``LBNHC``, ``LHBNC``, ``BLHNC``... on GPU backends) says where a
+block's bytes are: one piece per layer, or one per head slot when the head
+slots lie outside the blocks. It is part of the key fingerprint, and
+``register_kv_caches`` checks every tensor's real strides against it. KV caches
+in host memory are supported in any of these layouts; caches in device memory
+are refused for now (the client's device-buffer support is not built yet).
 
 A load that misses or fails reports its blocks through
 ``get_block_ids_with_load_errors`` and vLLM recomputes them (the connector
@@ -48,17 +58,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
 from daybreak.connectors.blocks import (
+    BlockMover,
     BlockTransfer,
     BlockViews,
     ConnectorConfigError,
     EngineLayout,
-    LayerRegion,
     PoolSettings,
     RequestTracker,
     block_keys,
     check_layout,
+    layer_region,
     leading_hits,
     loadable_blocks,
+    require_host_memory,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +103,15 @@ class DaybreakConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
+def _kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The KVCacheLayout name vLLM's engine core resolved (every worker adopts it with the KV cache config)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    if not name:
+        raise ConnectorConfigError("vLLM has not resolved a KV cache layout (KVCacheConfig.kv_cache_layout is unset), "
+                                   "so the connector cannot tell where a block's bytes are")
+    return str(name)
+
+
 def _engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, tp_rank: int) -> EngineLayout:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -105,6 +126,8 @@ def _engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, t
         block_tokens=int(spec.block_size), num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
         dtype=str(spec.dtype).removeprefix("torch."),
+        kv_layout=_kv_cache_layout(vllm_config, kv_cache_config),
+        head_slots=int(spec.num_heads), content_bytes=int(spec.state_content_size_bytes),
         tp_rank=tp_rank, tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )
 
@@ -143,7 +166,7 @@ class DaybreakConnector(KVConnectorBase_V1):
         # request id -> (first block to load, blocks loadable from it, leading blocks in the pool) of the last lookup
         self._lookups: dict[str, tuple[int, int, int]] = {}
         # worker side
-        self._views: BlockViews | None = None
+        self._mover: BlockMover | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
         log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s "
@@ -165,13 +188,14 @@ class DaybreakConnector(KVConnectorBase_V1):
         start = num_computed_tokens // bs
         if end <= 0 or num_computed_tokens % bs:
             return 0, False
-        layers = self._layout.num_layers
+        per_block = self._layout.num_layers * self._layout.regions_per_layer
         try:
-            found = self._client.batch_exists(block_keys(self._fingerprint, hashes[:end], layers))
+            found = self._client.batch_exists(block_keys(self._fingerprint, hashes[:end], self._layout.num_layers,
+                                                         self._layout.regions_per_layer))
         except (KVPoolError, OSError) as exc:
             log.warning("event=lookup_failed request=%s error=%r action=compute", request.request_id, exc)
             return 0, False
-        present = [all(found[i * layers:(i + 1) * layers]) for i in range(end)]
+        present = [all(found[i * per_block:(i + 1) * per_block]) for i in range(end)]
         hits = leading_hits(present, start=start) if self._loads else 0
         self._lookups[request.request_id] = (start, hits, leading_hits(present, start=0))
         return hits * bs, False
@@ -238,7 +262,7 @@ class DaybreakConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map each layer's paged KV tensor; blocks must be contiguous and back to back (block-major layout)."""
+        """Map each layer's paged KV tensor (host memory, the backend's layout) to the pieces of its blocks."""
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -248,44 +272,29 @@ class DaybreakConnector(KVConnectorBase_V1):
             tensor = kv_caches[name]
             if not isinstance(tensor, torch.Tensor):
                 raise ConnectorConfigError(f"layer {name}: KV cache is a {type(tensor).__name__}, not one tensor")
-            num_blocks = int(tensor.shape[0])
-            block_bytes = tensor[0].numel() * tensor.element_size() if num_blocks else 0
-            if (not tensor.is_contiguous() or tensor.device.type != "cpu"
-                    or block_bytes != self._layout.block_bytes_per_layer):
-                raise ConnectorConfigError(
-                    f"layer {name}: KV cache {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} is not a "
-                    f"contiguous host tensor of blocks of {self._layout.block_bytes_per_layer} bytes; the Daybreak "
-                    "connector supports block-major host KV caches (vLLM's CPU backend)")
-            regions.append(LayerRegion(address=tensor.data_ptr(), num_blocks=num_blocks, block_bytes=block_bytes))
+            require_host_memory(name, str(tensor.device))
+            regions.append(layer_region(name, address=tensor.data_ptr(), shape=tuple(tensor.shape),
+                                        strides=tuple(tensor.stride()), itemsize=tensor.element_size(),
+                                        layout=self._layout, num_blocks=self._kv_cache_config.num_blocks))
             self._kv_tensors.append(tensor)  # keeps the memory the views point into alive
-        self._views = BlockViews(regions)
-        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d",
-                 len(regions), regions[0].num_blocks, regions[0].block_bytes)
+        views = BlockViews(regions)
+        self._mover = BlockMover(views, fingerprint=self._fingerprint, errors=(KVPoolError, OSError, ValueError))
+        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d pieces=%d kv_layout=%s",
+                 len(regions), regions[0].num_blocks, regions[0].layout.block_bytes, views.pieces_per_layer,
+                 self._layout.kv_layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's planned blocks from the pool into the KV tensors (before the forward pass)."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._views is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._mover is None:
             return
-        layers = self._views.num_layers
-        keys: list[str] = []
-        blocks: list[int] = []
-        for load in meta.loads:
-            keys += block_keys(self._fingerprint, load.block_hashes, layers)
-            blocks += load.block_ids
-        views = self._views.views(blocks)  # block-major, like the keys
         started = time.perf_counter()
-        try:
-            sizes = self._client.batch_get_into(keys, views)
-        except (KVPoolError, OSError, ValueError) as exc:
-            log.warning("event=load_failed keys=%d error=%r action=recompute", len(keys), exc)
-            sizes = [None] * len(keys)
-        # A block is usable only when every layer arrived whole.
-        failed = {blocks[i // layers] for i, (size, view) in enumerate(zip(sizes, views, strict=True))
-                  if size != len(view)}
-        self._load_errors |= failed
-        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", len(keys) // layers, len(failed),
-                 sum(s or 0 for s in sizes), time.perf_counter() - started)
+        moved = self._mover.load(self._client, meta.loads)
+        if moved.error:
+            log.warning("event=load_failed keys=%d error=%s action=recompute", moved.keys, moved.error)
+        self._load_errors |= moved.failed
+        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", moved.blocks, len(moved.failed),
+                 moved.done, time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``, before the forward pass: nothing to wait for."""
@@ -294,26 +303,19 @@ class DaybreakConnector(KVConnectorBase_V1):
         """Saves of every layer go in one batch from ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
-        """Copy the blocks this step completed into the pool (one batch, all layers)."""
+        """Copy the blocks this step completed into the pool (one batch, every piece of every layer)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._views is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None:
             return
-        layers = self._views.num_layers
-        keys: list[str] = []
-        blocks: list[int] = []
-        for save in meta.saves:
-            keys += block_keys(self._fingerprint, save.block_hashes, layers)
-            blocks += save.block_ids
         started = time.perf_counter()
-        try:
-            copies = self._client.batch_put(keys, self._views.views(blocks))
-        except (KVPoolError, OSError, ValueError) as exc:
-            log.warning("event=save_failed keys=%d error=%r action=none", len(keys), exc)
+        moved = self._mover.save(self._client, meta.saves)
+        if moved.error:
+            log.warning("event=save_failed keys=%d error=%s action=none", moved.keys, moved.error)
             return
-        log.info("event=saved blocks=%d stored_keys=%d/%d seconds=%.4f", len(blocks),
-                 sum(1 for c in copies if c), len(keys), time.perf_counter() - started)
+        log.info("event=saved blocks=%d stored_keys=%d/%d seconds=%.4f", moved.blocks, moved.done, moved.keys,
+                 time.perf_counter() - started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load missed or failed since the last call; vLLM recomputes them."""
@@ -325,7 +327,7 @@ class DaybreakConnector(KVConnectorBase_V1):
 
 
 def prompt_keys(token_ids: list[int], *, fingerprint: str, block_tokens: int, num_layers: int,
-                hash_algo: str = "sha256") -> list[str]:
+                hash_algo: str = "sha256", pieces: int = 1) -> list[str]:
     """The pool keys the connector uses for a plain-text prompt's full blocks (no LoRA, no images, no salt).
 
     Computed with vLLM's own block hash, as its scheduler does; for inspecting
@@ -341,7 +343,7 @@ def prompt_keys(token_ids: list[int], *, fingerprint: str, block_tokens: int, nu
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + block_tokens], None)
         hashes.append(bytes(parent))
-    return block_keys(fingerprint, hashes, num_layers)
+    return block_keys(fingerprint, hashes, num_layers, pieces)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,10 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("--block-tokens", type=int, required=True)
     keys.add_argument("--layers", type=int, required=True)
     keys.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
+    keys.add_argument("--pieces", type=int, default=1, help="pieces per block and layer (in the connector's log)")
     args = parser.parse_args(argv)
     tokens = json.load(sys.stdin)
     print(json.dumps(prompt_keys([int(t) for t in tokens], fingerprint=args.fingerprint,
-                                 block_tokens=args.block_tokens, num_layers=args.layers, hash_algo=args.hash_algo)))
+                                 block_tokens=args.block_tokens, num_layers=args.layers, hash_algo=args.hash_algo,
+                                 pieces=args.pieces)))
     return 0
 
 

@@ -27,7 +27,8 @@ from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 # The tiny model (daybreak.connectors.tinymodel.SMALL) on vLLM's CPU backend: 128-token blocks.
-LAYOUT = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+LAYOUT = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
+                      kv_layout="LBHNC", head_slots=4, content_bytes=256)
 MAX_TOKENS = 12
 HITS = "vllm:external_prefix_cache_hits_total"
 
