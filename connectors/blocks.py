@@ -350,10 +350,12 @@ def block_key(fingerprint: str, block_hash: bytes, layer: int, region: int | Non
     return key if region is None else f"{key}-{region}"
 
 
-def block_keys(fingerprint: str, block_hashes: Sequence[bytes], num_layers: int, regions: int = 1) -> list[str]:
-    """Keys of every piece of every layer of every block, block-major (the order ``BlockViews.views`` yields)."""
+def block_keys(fingerprint: str, block_hashes: Sequence[bytes], num_layers: int, regions: int = 1, *,
+               layers: Sequence[int] | None = None) -> list[str]:
+    """Keys of every piece of every layer (or of ``layers``) of every block, block-major (``BlockViews.views``' order)."""
     pieces: list[int | None] = [None] if regions == 1 else list(range(regions))
-    return [block_key(fingerprint, h, layer, r) for h in block_hashes for layer in range(num_layers) for r in pieces]
+    chosen = range(num_layers) if layers is None else layers
+    return [block_key(fingerprint, h, layer, r) for h in block_hashes for layer in chosen for r in pieces]
 
 
 # -- scheduler-side planning --------------------------------------------------------------------------
@@ -524,11 +526,12 @@ class BlockViews:
         """Pieces (pool keys) per block and layer."""
         return len(self.regions[0].layout.regions)
 
-    def views(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Block-major views: every piece of every layer of ``block_ids[0]``, then of ``block_ids[1]``, ..."""
+    def views(self, block_ids: Sequence[int], *, layers: Sequence[int] | None = None) -> list[memoryview]:
+        """Block-major views: every piece of every layer (or of ``layers``) of ``block_ids[0]``, then ``[1]``..."""
+        chosen = range(self.num_layers) if layers is None else layers
         out = []
         for block in block_ids:
-            for region, view in zip(self.regions, self._views, strict=True):
+            for region, view in ((self.regions[i], self._views[i]) for i in chosen):
                 if not 0 <= block < region.num_blocks:
                     raise IndexError(f"block id {block} outside the KV cache's {region.num_blocks} blocks")
                 layout = region.layout
@@ -573,17 +576,23 @@ class BlockMover:
         self.fingerprint = fingerprint
         self.errors = errors
 
-    def _plan(self, transfers: Sequence[BlockTransfer]) -> tuple[list[str], list[int], list[memoryview]]:
+    def _plan(self, transfers: Sequence[BlockTransfer],
+              layers: Sequence[int] | None) -> tuple[list[str], list[int], list[memoryview]]:
         keys: list[str] = []
         blocks: list[int] = []
         for t in transfers:
-            keys += block_keys(self.fingerprint, t.block_hashes, self.views.num_layers, self.views.pieces_per_layer)
+            keys += block_keys(self.fingerprint, t.block_hashes, self.views.num_layers, self.views.pieces_per_layer,
+                               layers=layers)
             blocks += t.block_ids
-        return keys, blocks, self.views.views(blocks)
+        return keys, blocks, self.views.views(blocks, layers=layers)
 
-    def load(self, client: BlockClient, transfers: Sequence[BlockTransfer]) -> Moved:
-        """Read the transfers' blocks from the pool into their KV memory; ``failed`` names the unusable ones."""
-        keys, blocks, views = self._plan(transfers)
+    def load(self, client: BlockClient, transfers: Sequence[BlockTransfer], *,
+             layers: Sequence[int] | None = None) -> Moved:
+        """Read the transfers' blocks (every layer, or ``layers``) from the pool into their KV memory.
+
+        ``failed`` names the blocks not every piece of which arrived whole.
+        """
+        keys, blocks, views = self._plan(transfers, layers)
         per_block = len(keys) // len(blocks) if blocks else 1
         error = ""
         try:
@@ -595,9 +604,10 @@ class BlockMover:
         return Moved(blocks=len(blocks), keys=len(keys), done=sum(size or 0 for size in sizes), failed=failed,
                      error=error)
 
-    def save(self, client: BlockClient, transfers: Sequence[BlockTransfer]) -> Moved:
-        """Write the transfers' blocks from their KV memory into the pool."""
-        keys, blocks, views = self._plan(transfers)
+    def save(self, client: BlockClient, transfers: Sequence[BlockTransfer], *,
+             layers: Sequence[int] | None = None) -> Moved:
+        """Write the transfers' blocks (every layer, or ``layers``) from their KV memory into the pool."""
+        keys, blocks, views = self._plan(transfers, layers)
         try:
             copies = client.batch_put(keys, views)
         except self.errors as exc:

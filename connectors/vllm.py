@@ -15,18 +15,20 @@ Scheduler side: ``get_num_new_matched_tokens`` asks the pool, in one batched
 exists, which leading full prompt blocks it holds beyond the engine's own
 prefix cache; once vLLM has allocated blocks, the load (pool -> those blocks)
 and, step by step as prefill completes blocks, the saves (blocks -> pool) go
-into the step's metadata. Worker side: loads run synchronously before the
-forward pass with ``batch_get_into`` straight into the KV tensors' block
-pieces; saves run after it (``wait_for_save``) with ``batch_put`` from the
-same pieces (``daybreak.connectors.blocks.BlockMover``). No intermediate
-copies: same-node agents are read and written through their shared-memory
-segments (one memcpy each way).
+into the step's metadata. Worker side, layer by layer on one I/O thread:
+``start_load_kv`` starts one ``batch_get_into`` per layer straight into the KV
+tensors' block pieces and each attention layer waits for its own
+(``wait_for_layer_load``); ``save_kv_layer`` starts a layer's ``batch_put``
+from the same pieces as soon as the layer has run, and ``wait_for_save`` waits
+for them all (``daybreak.connectors.blocks.BlockMover`` does the moves). No
+intermediate copies: same-node agents are read and written through their
+shared-memory segments (one memcpy each way).
 
 KV layouts: the ``KVCacheLayout`` vLLM's engine core resolved for the
 attention backend (``KVCacheConfig.kv_cache_layout``: ``LBHNC`` on the CPU
 backend, ``LBNHC``, ``LHBNC``, ``BLHNC``... on GPU backends) says where a
-block's bytes are: one piece per layer, or one per head slot when the head
-slots lie outside the blocks. It is part of the key fingerprint, and
+block's bytes are: one piece per layer, or one per head slot when another
+dim lies between the head slots and the tokens. It is part of the key fingerprint, and
 ``register_kv_caches`` checks every tensor's real strides against it. KV caches
 in host memory are supported in any of these layouts; caches in device memory
 are refused for now (the client's device-buffer support is not built yet).
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +66,7 @@ from daybreak.connectors.blocks import (
     BlockViews,
     ConnectorConfigError,
     EngineLayout,
+    Moved,
     PoolSettings,
     RequestTracker,
     block_keys,
@@ -169,6 +173,15 @@ class DaybreakConnector(KVConnectorBase_V1):
         self._mover: BlockMover | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        # Layer by layer: the worker's pool I/O runs on this one thread, in submission order, and only
+        # there (the client is not thread-safe); the forward pass waits per layer.
+        self._io: ThreadPoolExecutor | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loading: dict[int, Future[Moved]] = {}
+        self._loaded: list[Moved] = []
+        self._load_started = 0.0
+        self._saving: dict[int, Future[Moved]] = {}
+        self._save_started = 0.0
         log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s "
                  "pool_ref=%s", role.name, transfer.kv_role, self._settings.namespace, self._layout, self._fingerprint,
                  ",".join(self._settings.endpoints), self._settings.pool_ref or "-")
@@ -279,50 +292,96 @@ class DaybreakConnector(KVConnectorBase_V1):
             self._kv_tensors.append(tensor)  # keeps the memory the views point into alive
         views = BlockViews(regions)
         self._mover = BlockMover(views, fingerprint=self._fingerprint, errors=(KVPoolError, OSError, ValueError))
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daybreak-kv-io")
         log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d pieces=%d kv_layout=%s",
                  len(regions), regions[0].num_blocks, regions[0].layout.block_bytes, views.pieces_per_layer,
                  self._layout.kv_layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's planned blocks from the pool into the KV tensors (before the forward pass)."""
+        """Start loading this step's planned blocks from the pool into the KV tensors, one batch per layer.
+
+        The loads run in layer order on the I/O thread while the forward pass
+        starts; ``wait_for_layer_load`` holds each attention layer until its own
+        layer has arrived.
+        """
+        self._finish_loads()  # a layer nobody waited for in the last step
         meta = self._get_connector_metadata()
         if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._mover is None:
             return
-        started = time.perf_counter()
-        moved = self._mover.load(self._client, meta.loads)
+        assert self._io is not None
+        self._load_started = time.perf_counter()
+        for layer in range(self._layout.num_layers):
+            self._loading[layer] = self._io.submit(self._mover.load, self._client, meta.loads, layers=(layer,))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this layer's pieces of the step's loads are in the KV tensor (or failed)."""
+        future = self._loading.pop(self._layer_index.get(layer_name, -1), None)
+        if future is not None:
+            self._took(future.result())
+        if not self._loading and self._loaded:
+            self._log_loads()
+
+    def _took(self, moved: Moved) -> None:
         if moved.error:
             log.warning("event=load_failed keys=%d error=%s action=recompute", moved.keys, moved.error)
         self._load_errors |= moved.failed
-        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", moved.blocks, len(moved.failed),
-                 moved.done, time.perf_counter() - started)
+        self._loaded.append(moved)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``, before the forward pass: nothing to wait for."""
+    def _finish_loads(self) -> None:
+        for layer in sorted(self._loading):
+            self._took(self._loading.pop(layer).result())
+        if self._loaded:
+            self._log_loads()
+
+    def _log_loads(self) -> None:
+        failed = set().union(*(m.failed for m in self._loaded))
+        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", self._loaded[0].blocks, len(failed),
+                 sum(m.done for m in self._loaded), time.perf_counter() - self._load_started)
+        self._loaded = []
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Saves of every layer go in one batch from ``wait_for_save``."""
+        """Start saving this layer's pieces of the blocks this step completes, as soon as the layer has run."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        layer = self._layer_index.get(layer_name)
+        if (not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None
+                or layer is None or layer in self._saving):
+            return
+        assert self._io is not None
+        if not self._saving:
+            self._save_started = time.perf_counter()
+        self._saving[layer] = self._io.submit(self._mover.save, self._client, meta.saves, layers=(layer,))
 
     def wait_for_save(self) -> None:
-        """Copy the blocks this step completed into the pool (one batch, every piece of every layer)."""
+        """Wait for this step's saves; layers the forward pass did not report are saved now, in one batch."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None:
             return
-        started = time.perf_counter()
-        moved = self._mover.save(self._client, meta.saves)
-        if moved.error:
-            log.warning("event=save_failed keys=%d error=%s action=none", moved.keys, moved.error)
-            return
-        log.info("event=saved blocks=%d stored_keys=%d/%d seconds=%.4f", moved.blocks, moved.done, moved.keys,
-                 time.perf_counter() - started)
+        assert self._io is not None
+        rest = [layer for layer in range(self._layout.num_layers) if layer not in self._saving]
+        if rest:
+            if not self._saving:
+                self._save_started = time.perf_counter()
+            self._saving[rest[0]] = self._io.submit(self._mover.save, self._client, meta.saves, layers=rest)
+        moved = [self._saving.pop(layer).result() for layer in sorted(self._saving)]
+        errors = [m.error for m in moved if m.error]
+        if errors:
+            log.warning("event=save_failed keys=%d error=%s action=none", sum(m.keys for m in moved), errors[0])
+        log.info("event=saved blocks=%d stored_keys=%d/%d layers_batches=%d seconds=%.4f", moved[0].blocks,
+                 sum(m.done for m in moved), sum(m.keys for m in moved), len(moved),
+                 time.perf_counter() - self._save_started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load missed or failed since the last call; vLLM recomputes them."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self._client.close()
 
 

@@ -146,6 +146,24 @@ def test_a_save_from_one_engine_loads_byte_exact_into_another_with_the_same_layo
     assert b.raw() == expected.raw()
 
 
+@pytest.mark.parametrize("name", ["LBHNC", "BHLNC"])
+def test_layer_by_layer_saves_and_loads_move_each_layers_pieces_alone(name: str, client: KVPoolClient) -> None:
+    a, b = HostKV(name, fill=True), HostKV(name, fill=False)
+    h = tuple(hashes(2))
+    per_layer = 2 * a.layout.regions_per_layer
+    saved = a.mover.save(client, [BlockTransfer("r", h, (0, 2))], layers=(1,))
+    assert saved.error == "" and saved.keys == saved.done == per_layer
+    # Only layer 1 is in the pool: a whole-block load fails both blocks, a layer-1 load brings exactly it.
+    assert b.mover.load(client, [BlockTransfer("r", h, (3, 1))]).failed == {3, 1}
+    layer1 = b.mover.load(client, [BlockTransfer("r", h, (3, 1))], layers=(1,))
+    assert layer1.failed == frozenset() and layer1.keys == per_layer
+    assert b.views.views([3], layers=(1,)) == a.views.views([0], layers=(1,))
+    assert a.mover.save(client, [BlockTransfer("r", h, (0, 2))], layers=(0,)).done == per_layer
+    for layer in (0, 1):
+        assert b.mover.load(client, [BlockTransfer("r", h, (3, 1))], layers=(layer,)).failed == frozenset()
+    assert b.block(3) == a.block(0) and b.block(1) == a.block(2)
+
+
 def test_engines_with_different_layouts_never_share_a_key(client: KVPoolClient) -> None:
     prints = {name: engine_layout(name).fingerprint() for name in LAYOUTS}
     prints["cpu"] = engine_layout("LBHNC", platform="cpu").fingerprint()
