@@ -179,6 +179,7 @@ class DaybreakConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._loading: dict[int, Future[Moved]] = {}
         self._loaded: list[Moved] = []
+        self._waited = 0  # layers of the current loads the forward pass waited for (the rest: after it)
         self._load_started = 0.0
         self._saving: dict[int, Future[Moved]] = {}
         self._save_started = 0.0
@@ -319,6 +320,7 @@ class DaybreakConnector(KVConnectorBase_V1):
         future = self._loading.pop(self._layer_index.get(layer_name, -1), None)
         if future is not None:
             self._took(future.result())
+            self._waited += 1
         if not self._loading and self._loaded:
             self._log_loads()
 
@@ -336,9 +338,11 @@ class DaybreakConnector(KVConnectorBase_V1):
 
     def _log_loads(self) -> None:
         failed = set().union(*(m.failed for m in self._loaded))
-        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", self._loaded[0].blocks, len(failed),
-                 sum(m.done for m in self._loaded), time.perf_counter() - self._load_started)
+        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f layers_waited=%d/%d", self._loaded[0].blocks,
+                 len(failed), sum(m.done for m in self._loaded), time.perf_counter() - self._load_started,
+                 self._waited, len(self._loaded))
         self._loaded = []
+        self._waited = 0
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Start saving this layer's pieces of the blocks this step completes, as soon as the layer has run."""

@@ -156,6 +156,9 @@ class TestTwoEnginesShareOnePool:
         assert second.cached_tokens == LOADABLE
         assert b.metric(HITS) - before == LOADABLE
         assert "event=loaded blocks=5 failed=0" in b.log_text()
+        # Layer by layer: every layer's load was waited for by that layer's attention, and A saved per layer.
+        assert "layers_waited=4/4" in b.log_text()
+        assert "event=saved blocks=5 stored_keys=20/20 layers_batches=4" in a.log_text()
 
     def test_blocks_overwritten_with_another_prompts_kv_change_the_output(
             self, shared_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
