@@ -15,11 +15,23 @@ Scheduler side: ``get_num_new_matched_tokens`` asks the pool, in one batched
 exists, which leading full prompt blocks it holds beyond the engine's own
 prefix cache; once vLLM has allocated blocks, the load (pool -> those blocks)
 and, step by step as prefill completes blocks, the saves (blocks -> pool) go
-into the step's metadata. Worker side: loads run synchronously before the
-forward pass with ``batch_get_into`` straight into the KV tensors' block
-regions; saves run after it (``wait_for_save``) with ``batch_put`` from the
-same regions. No intermediate copies: same-node agents are read and written
-through their shared-memory segments (one memcpy each way).
+into the step's metadata. Worker side, layer by layer on one I/O thread:
+``start_load_kv`` starts one ``batch_get_into`` per layer straight into the KV
+tensors' block pieces and each attention layer waits for its own
+(``wait_for_layer_load``); ``save_kv_layer`` starts a layer's ``batch_put``
+from the same pieces as soon as the layer has run, and ``wait_for_save`` waits
+for them all (``daybreak.connectors.blocks.BlockMover`` does the moves). No
+intermediate copies: same-node agents are read and written through their
+shared-memory segments (one memcpy each way).
+
+KV layouts: the ``KVCacheLayout`` vLLM's engine core resolved for the
+attention backend (``KVCacheConfig.kv_cache_layout``: ``LBHNC`` on the CPU
+backend, ``LBNHC``, ``LHBNC``, ``BLHNC``... on GPU backends) says where a
+block's bytes are: one piece per layer, or one per head slot when another
+dim lies between the head slots and the tokens. It is part of the key fingerprint, and
+``register_kv_caches`` checks every tensor's real strides against it. KV caches
+in host memory are supported in any of these layouts; caches in device memory
+are refused for now (the client's device-buffer support is not built yet).
 
 A load that misses or fails reports its blocks through
 ``get_block_ids_with_load_errors`` and vLLM recomputes them (the connector
@@ -34,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,17 +61,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
 from daybreak.connectors.blocks import (
+    BlockMover,
     BlockTransfer,
     BlockViews,
     ConnectorConfigError,
     EngineLayout,
-    LayerRegion,
+    Moved,
     PoolSettings,
     RequestTracker,
     block_keys,
     check_layout,
+    layer_region,
     leading_hits,
     loadable_blocks,
+    require_host_memory,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +107,15 @@ class DaybreakConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
+def _kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The KVCacheLayout name vLLM's engine core resolved (every worker adopts it with the KV cache config)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    if not name:
+        raise ConnectorConfigError("vLLM has not resolved a KV cache layout (KVCacheConfig.kv_cache_layout is unset), "
+                                   "so the connector cannot tell where a block's bytes are")
+    return str(name)
+
+
 def _engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, tp_rank: int) -> EngineLayout:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -105,6 +130,8 @@ def _engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, t
         block_tokens=int(spec.block_size), num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
         dtype=str(spec.dtype).removeprefix("torch."),
+        kv_layout=_kv_cache_layout(vllm_config, kv_cache_config),
+        head_slots=int(spec.num_heads), content_bytes=int(spec.state_content_size_bytes),
         tp_rank=tp_rank, tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )
 
@@ -143,9 +170,19 @@ class DaybreakConnector(KVConnectorBase_V1):
         # request id -> (first block to load, blocks loadable from it, leading blocks in the pool) of the last lookup
         self._lookups: dict[str, tuple[int, int, int]] = {}
         # worker side
-        self._views: BlockViews | None = None
+        self._mover: BlockMover | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        # Layer by layer: the worker's pool I/O runs on this one thread, in submission order, and only
+        # there (the client is not thread-safe); the forward pass waits per layer.
+        self._io: ThreadPoolExecutor | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loading: dict[int, Future[Moved]] = {}
+        self._loaded: list[Moved] = []
+        self._waited = 0  # layers of the current loads the forward pass waited for (the rest: after it)
+        self._load_started = 0.0
+        self._saving: dict[int, Future[Moved]] = {}
+        self._save_started = 0.0
         log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s "
                  "pool_ref=%s", role.name, transfer.kv_role, self._settings.namespace, self._layout, self._fingerprint,
                  ",".join(self._settings.endpoints), self._settings.pool_ref or "-")
@@ -165,13 +202,14 @@ class DaybreakConnector(KVConnectorBase_V1):
         start = num_computed_tokens // bs
         if end <= 0 or num_computed_tokens % bs:
             return 0, False
-        layers = self._layout.num_layers
+        per_block = self._layout.num_layers * self._layout.regions_per_layer
         try:
-            found = self._client.batch_exists(block_keys(self._fingerprint, hashes[:end], layers))
+            found = self._client.batch_exists(block_keys(self._fingerprint, hashes[:end], self._layout.num_layers,
+                                                         self._layout.regions_per_layer))
         except (KVPoolError, OSError) as exc:
             log.warning("event=lookup_failed request=%s error=%r action=compute", request.request_id, exc)
             return 0, False
-        present = [all(found[i * layers:(i + 1) * layers]) for i in range(end)]
+        present = [all(found[i * per_block:(i + 1) * per_block]) for i in range(end)]
         hits = leading_hits(present, start=start) if self._loads else 0
         self._lookups[request.request_id] = (start, hits, leading_hits(present, start=0))
         return hits * bs, False
@@ -238,7 +276,7 @@ class DaybreakConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map each layer's paged KV tensor; blocks must be contiguous and back to back (block-major layout)."""
+        """Map each layer's paged KV tensor (host memory, the backend's layout) to the pieces of its blocks."""
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -248,84 +286,111 @@ class DaybreakConnector(KVConnectorBase_V1):
             tensor = kv_caches[name]
             if not isinstance(tensor, torch.Tensor):
                 raise ConnectorConfigError(f"layer {name}: KV cache is a {type(tensor).__name__}, not one tensor")
-            num_blocks = int(tensor.shape[0])
-            block_bytes = tensor[0].numel() * tensor.element_size() if num_blocks else 0
-            if (not tensor.is_contiguous() or tensor.device.type != "cpu"
-                    or block_bytes != self._layout.block_bytes_per_layer):
-                raise ConnectorConfigError(
-                    f"layer {name}: KV cache {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} is not a "
-                    f"contiguous host tensor of blocks of {self._layout.block_bytes_per_layer} bytes; the Daybreak "
-                    "connector supports block-major host KV caches (vLLM's CPU backend)")
-            regions.append(LayerRegion(address=tensor.data_ptr(), num_blocks=num_blocks, block_bytes=block_bytes))
+            require_host_memory(name, str(tensor.device))
+            regions.append(layer_region(name, address=tensor.data_ptr(), shape=tuple(tensor.shape),
+                                        strides=tuple(tensor.stride()), itemsize=tensor.element_size(),
+                                        layout=self._layout, num_blocks=self._kv_cache_config.num_blocks))
             self._kv_tensors.append(tensor)  # keeps the memory the views point into alive
-        self._views = BlockViews(regions)
-        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d",
-                 len(regions), regions[0].num_blocks, regions[0].block_bytes)
+        views = BlockViews(regions)
+        self._mover = BlockMover(views, fingerprint=self._fingerprint, errors=(KVPoolError, OSError, ValueError))
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daybreak-kv-io")
+        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d pieces=%d kv_layout=%s",
+                 len(regions), regions[0].num_blocks, regions[0].layout.block_bytes, views.pieces_per_layer,
+                 self._layout.kv_layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's planned blocks from the pool into the KV tensors (before the forward pass)."""
+        """Start loading this step's planned blocks from the pool into the KV tensors, one batch per layer.
+
+        The loads run in layer order on the I/O thread while the forward pass
+        starts; ``wait_for_layer_load`` holds each attention layer until its own
+        layer has arrived.
+        """
+        self._finish_loads()  # a layer nobody waited for in the last step
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._views is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._mover is None:
             return
-        layers = self._views.num_layers
-        keys: list[str] = []
-        blocks: list[int] = []
-        for load in meta.loads:
-            keys += block_keys(self._fingerprint, load.block_hashes, layers)
-            blocks += load.block_ids
-        views = self._views.views(blocks)  # block-major, like the keys
-        started = time.perf_counter()
-        try:
-            sizes = self._client.batch_get_into(keys, views)
-        except (KVPoolError, OSError, ValueError) as exc:
-            log.warning("event=load_failed keys=%d error=%r action=recompute", len(keys), exc)
-            sizes = [None] * len(keys)
-        # A block is usable only when every layer arrived whole.
-        failed = {blocks[i // layers] for i, (size, view) in enumerate(zip(sizes, views, strict=True))
-                  if size != len(view)}
-        self._load_errors |= failed
-        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f", len(keys) // layers, len(failed),
-                 sum(s or 0 for s in sizes), time.perf_counter() - started)
+        assert self._io is not None
+        self._load_started = time.perf_counter()
+        for layer in range(self._layout.num_layers):
+            self._loading[layer] = self._io.submit(self._mover.load, self._client, meta.loads, layers=(layer,))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``, before the forward pass: nothing to wait for."""
+        """Block until this layer's pieces of the step's loads are in the KV tensor (or failed)."""
+        future = self._loading.pop(self._layer_index.get(layer_name, -1), None)
+        if future is not None:
+            self._took(future.result())
+            self._waited += 1
+        if not self._loading and self._loaded:
+            self._log_loads()
+
+    def _took(self, moved: Moved) -> None:
+        if moved.error:
+            log.warning("event=load_failed keys=%d error=%s action=recompute", moved.keys, moved.error)
+        self._load_errors |= moved.failed
+        self._loaded.append(moved)
+
+    def _finish_loads(self) -> None:
+        for layer in sorted(self._loading):
+            self._took(self._loading.pop(layer).result())
+        if self._loaded:
+            self._log_loads()
+
+    def _log_loads(self) -> None:
+        failed = set().union(*(m.failed for m in self._loaded))
+        log.info("event=loaded blocks=%d failed=%d bytes=%d seconds=%.4f layers_waited=%d/%d", self._loaded[0].blocks,
+                 len(failed), sum(m.done for m in self._loaded), time.perf_counter() - self._load_started,
+                 self._waited, len(self._loaded))
+        self._loaded = []
+        self._waited = 0
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Saves of every layer go in one batch from ``wait_for_save``."""
+        """Start saving this layer's pieces of the blocks this step completes, as soon as the layer has run."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        layer = self._layer_index.get(layer_name)
+        if (not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None
+                or layer is None or layer in self._saving):
+            return
+        assert self._io is not None
+        if not self._saving:
+            self._save_started = time.perf_counter()
+        self._saving[layer] = self._io.submit(self._mover.save, self._client, meta.saves, layers=(layer,))
 
     def wait_for_save(self) -> None:
-        """Copy the blocks this step completed into the pool (one batch, all layers)."""
+        """Wait for this step's saves; layers the forward pass did not report are saved now, in one batch."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._views is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None:
             return
-        layers = self._views.num_layers
-        keys: list[str] = []
-        blocks: list[int] = []
-        for save in meta.saves:
-            keys += block_keys(self._fingerprint, save.block_hashes, layers)
-            blocks += save.block_ids
-        started = time.perf_counter()
-        try:
-            copies = self._client.batch_put(keys, self._views.views(blocks))
-        except (KVPoolError, OSError, ValueError) as exc:
-            log.warning("event=save_failed keys=%d error=%r action=none", len(keys), exc)
-            return
-        log.info("event=saved blocks=%d stored_keys=%d/%d seconds=%.4f", len(blocks),
-                 sum(1 for c in copies if c), len(keys), time.perf_counter() - started)
+        assert self._io is not None
+        rest = [layer for layer in range(self._layout.num_layers) if layer not in self._saving]
+        if rest:
+            if not self._saving:
+                self._save_started = time.perf_counter()
+            self._saving[rest[0]] = self._io.submit(self._mover.save, self._client, meta.saves, layers=rest)
+        moved = [self._saving.pop(layer).result() for layer in sorted(self._saving)]
+        errors = [m.error for m in moved if m.error]
+        if errors:
+            log.warning("event=save_failed keys=%d error=%s action=none", sum(m.keys for m in moved), errors[0])
+        log.info("event=saved blocks=%d stored_keys=%d/%d layers_batches=%d seconds=%.4f", moved[0].blocks,
+                 sum(m.done for m in moved), sum(m.keys for m in moved), len(moved),
+                 time.perf_counter() - self._save_started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load missed or failed since the last call; vLLM recomputes them."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self._client.close()
 
 
 def prompt_keys(token_ids: list[int], *, fingerprint: str, block_tokens: int, num_layers: int,
-                hash_algo: str = "sha256") -> list[str]:
+                hash_algo: str = "sha256", pieces: int = 1) -> list[str]:
     """The pool keys the connector uses for a plain-text prompt's full blocks (no LoRA, no images, no salt).
 
     Computed with vLLM's own block hash, as its scheduler does; for inspecting
@@ -341,7 +406,7 @@ def prompt_keys(token_ids: list[int], *, fingerprint: str, block_tokens: int, nu
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start:start + block_tokens], None)
         hashes.append(bytes(parent))
-    return block_keys(fingerprint, hashes, num_layers)
+    return block_keys(fingerprint, hashes, num_layers, pieces)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,10 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("--block-tokens", type=int, required=True)
     keys.add_argument("--layers", type=int, required=True)
     keys.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
+    keys.add_argument("--pieces", type=int, default=1, help="pieces per block and layer (in the connector's log)")
     args = parser.parse_args(argv)
     tokens = json.load(sys.stdin)
     print(json.dumps(prompt_keys([int(t) for t in tokens], fingerprint=args.fingerprint,
-                                 block_tokens=args.block_tokens, num_layers=args.layers, hash_algo=args.hash_algo)))
+                                 block_tokens=args.block_tokens, num_layers=args.layers, hash_algo=args.hash_algo,
+                                 pieces=args.pieces)))
     return 0
 
 

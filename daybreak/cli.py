@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("daybreak.operator.main", "run the operator"),
     "agent": ("daybreak.agent.main", "run the node agent"),
     "topo": ("daybreak.agent.topo_cmd", "print the accelerator/NIC topology of this machine"),
+    "selfcheck": ("daybreak.agent.selfcheck", "move a pattern through every data path of this node (GB/s, byte-exact)"),
     "bench": ("daybreak.bench.cmd", "run benchmarks against their anchors"),
     "crds": ("daybreak.api.crdgen", "generate CRD YAML from the API models"),
     "sim-engine": ("daybreak.serving.sim", "run a simulated prefill or decode engine"),

@@ -2,8 +2,9 @@
 
 mypy cannot follow setuptools' ``package-dir`` (``operator/`` is
 ``daybreak.operator``), so ``make typecheck`` builds ``.typecheck/daybreak``
-and checks that. The GPU check scripts use the same tree to import the
-package from a bare checkout on a machine where nothing is installed.
+and checks that. ``python3 hack/linktree.py --selfcheck [ARGS]`` runs
+``daybreak selfcheck`` from the same tree, on a bare checkout of a machine
+where nothing is installed (a lent GPU machine).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def build(out: Path) -> Path:
     return out
 
 
-# Third-party modules the checks may need, with the wheel name prefix each comes in. A GPU machine may
-# have only the standard library, numpy and torch (and no registry to install from): what a check
+# Third-party modules the selfcheck may need, with the wheel name prefix each comes in. A GPU machine may
+# have only the standard library, numpy and torch (and no registry to install from): what the check
 # needs and lacks is unpacked from ``<repo>/.whl`` (carried along; ``python3 hack/linktree.py --wheels
 # 3.X`` downloads them here for that Python), or the check says exactly what is missing.
 WHEELS = {"pynvml": "nvidia_ml_py", "crc32c": "crc32c", "prometheus_client": "prometheus_client",
@@ -55,7 +56,7 @@ def _importable(module: str) -> bool:
 
 
 def import_source_tree(root: Path) -> Path:
-    """Make ``daybreak.*`` importable from the source folders, for the hack/ GPU check scripts (no install).
+    """Make ``daybreak.*`` importable from the source folders, for ``--selfcheck`` (no install).
 
     Modules the interpreter lacks come from wheels in ``<root>/.whl`` when present. The tree and the
     unpacked wheels are also put on ``PYTHONPATH``, so a child process (an agent) imports the same.
@@ -84,7 +85,7 @@ def import_source_tree(root: Path) -> Path:
 
 
 def prepare(root: Path, script: str, needs: list[str]) -> None:
-    """What a GPU check does first: ``import_source_tree``, then ``require`` what it needs beyond that."""
+    """What ``--selfcheck`` does first: ``import_source_tree``, then ``require`` what it needs beyond that."""
     import_source_tree(root)
     require(script, needs)
 
@@ -111,11 +112,27 @@ def download_wheels(version: str) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+# What ``daybreak selfcheck`` and the agent it starts import beyond the standard library.
+SELFCHECK_NEEDS = ["pydantic", "prometheus_client", "yaml", "crc32c"]
+
+
+def selfcheck(argv: list[str]) -> int:
+    """``daybreak selfcheck ARGV`` from the source tree (its children import the same tree)."""
+    prepare(REPO, "selfcheck", SELFCHECK_NEEDS)
+    from daybreak.agent import selfcheck as check  # type: ignore[import-not-found,unused-ignore]
+
+    status: int = check.main(argv)
+    return status
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] in (["-h"], ["--help"]):
-        print("usage: linktree.py            build .typecheck/daybreak (make typecheck)\n"
-              "       linktree.py --wheels 3.X  download the GPU checks' wheels for Python 3.X into .whl/")
+        print("usage: linktree.py                   build .typecheck/daybreak (make typecheck)\n"
+              "       linktree.py --wheels 3.X         download the selfcheck's wheels for Python 3.X into .whl/\n"
+              "       linktree.py --selfcheck [ARGS]   run `daybreak selfcheck ARGS` from this checkout, no install")
         sys.exit(0)
+    if sys.argv[1:2] == ["--selfcheck"]:
+        sys.exit(selfcheck(sys.argv[2:]))
     if sys.argv[1:2] == ["--wheels"] and len(sys.argv) == 3:
         sys.exit(download_wheels(sys.argv[2]))
     build(REPO / ".typecheck")

@@ -22,7 +22,9 @@ from daybreak.connectors.blocks import (
     loadable_blocks,
 )
 
-CPU = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+# vLLM's CPU backend: LBHNC pages of 4 KV heads x 128 tokens x (K and V of 64 bf16 values).
+CPU = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
+                   kv_layout="LBHNC", head_slots=4, content_bytes=256)
 DECLARED = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=128, platform=KVPlatform.CPU)
 
 

@@ -27,7 +27,8 @@ from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 # The tiny model (daybreak.connectors.tinymodel.SMALL) on vLLM's CPU backend: 128-token blocks.
-LAYOUT = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+LAYOUT = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
+                      kv_layout="LBHNC", head_slots=4, content_bytes=256)
 MAX_TOKENS = 12
 HITS = "vllm:external_prefix_cache_hits_total"
 
@@ -155,6 +156,9 @@ class TestTwoEnginesShareOnePool:
         assert second.cached_tokens == LOADABLE
         assert b.metric(HITS) - before == LOADABLE
         assert "event=loaded blocks=5 failed=0" in b.log_text()
+        # Layer by layer: every layer's load was waited for by that layer's attention, and A saved per layer.
+        assert "layers_waited=4/4" in b.log_text()
+        assert "event=saved blocks=5 stored_keys=20/20 layers_batches=4" in a.log_text()
 
     def test_blocks_overwritten_with_another_prompts_kv_change_the_output(
             self, shared_engines: tuple[VllmServer, VllmServer], reference: dict[str, list[int]], pool: LocalAgent,
