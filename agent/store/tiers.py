@@ -38,6 +38,7 @@ from typing import Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
+from daybreak.errors import DaybreakError
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.shm import SHM_DIR, Backing, ShmSegment
 
@@ -667,7 +668,7 @@ class SsdTier:
             self._lock_fd = -1
 
 
-class _Refused(Exception):
+class _Refused(DaybreakError):
     """A block file the scan does not adopt; the message is the reason counted."""
 
 
