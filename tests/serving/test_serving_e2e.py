@@ -129,7 +129,8 @@ def serving(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
                         # Modelled durations at a tenth: the test is about the path, not the timing. No
                         # engine-local prefix cache: every block a turn reuses must come through the pool.
                         "engine": {"kind": "sim", "args": ["--time-scale", "0.1", "--local-cache-blocks", "0"]},
-                        "prefill": {"replicas": 1}, "decode": {"replicas": 2}}}
+                        "prefill": {"replicas": 1}, "decode": {"replicas": 2},
+                        "router": {"cacheStatistics": True}}}  # the hit rates read cached_tokens
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all([pool, pdd]))
         wait_for("the PDDeployment Ready", lambda: any(
             c["type"] == "Ready" and c["status"] == "True" for c in (api.get(
