@@ -90,8 +90,6 @@ _EXISTS_CHUNK = 1024
 RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
 PREFIX_TIMEOUT = 0.5
-_DAYBREAK_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens", "bytes_read", "bytes_written",
-                    "blocks_checked", "blocks_corrupt")
 # How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
 CONTEXT_LENGTH_TTL_SECONDS = 30.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -323,7 +321,8 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
     extensions: list[Mapping[str, Any]] = [u["daybreak"] for u in steps if isinstance(u.get("daybreak"), Mapping)]
     if not extensions:
         return out
-    summed: dict[str, int] = {name: sum(int(e.get(name) or 0) for e in extensions) for name in _DAYBREAK_FIELDS}
+    summed: dict[str, int] = {name: sum(int(e.get(name) or 0) for e in extensions)
+                              for name in openai.DAYBREAK_USAGE_FIELDS}
     out["daybreak"] = summed
     prompt_tokens = int(decode.get("prompt_tokens") or 0)
     details = dict(decode.get("prompt_tokens_details") or {})
