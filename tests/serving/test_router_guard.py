@@ -141,14 +141,16 @@ def open_stream(address: str, body: dict[str, Any], *, source: str | None = None
     return conn
 
 
-def hang_up(address: str, body: dict[str, Any]) -> None:
+def hang_up(router: Proc, body: dict[str, Any]) -> None:
     """Send a non-streamed request and close the connection before any answer: the client is gone."""
-    host, port = address.split(":")
     payload = json.dumps(body).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    seen = metric_sum(router.metrics(), "daybreak_router_requests_total")
+    with socket.create_connection((HOST, router.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        time.sleep(0.2)  # the router has read the request and is in its steps
+        # Hang up only once the router is serving it (a connection closed before that is no request).
+        wait_for("the router to take the request", lambda: metric_sum(
+            router.metrics(), "daybreak_router_requests_total") > seen)
 
 
 def running(engine: Proc) -> float:
@@ -171,7 +173,7 @@ def test_sixteen_clients_that_hang_up_free_every_decode_slot_for_a_seventeenth(s
         assert r.readline().startswith(b"data:")  # one chunk, then the client is gone
         conn.close()
     for i in range(8):
-        hang_up(router.address, {"prompt": f"abandoned plain {i} " * 4, **long})
+        hang_up(router, {"prompt": f"abandoned plain {i} " * 4, **long})
     wait_for("the router to notice all 16 clients gone", lambda: metric_sum(
         router.metrics(), 'daybreak_router_request_failures_total{reason="client_gone"}') == 16)
     wait_for("the decode engine to drop every abandoned sequence", lambda: running(decode) == 0)
