@@ -113,6 +113,17 @@ class RoleSpec(ApiModel):
         return low, high
 
 
+class RouterAuthSpec(ApiModel):
+    """Bearer-token authentication on the router's OpenAI endpoints."""
+
+    secret_name: str = Field(min_length=1, max_length=253,
+                             pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    """A Secret in the PDDeployment's namespace; each key is one credential: the key names the client (its
+    identity for the per-client limits and its cache salt, so clients of different keys never share cached
+    blocks) and the value is its bearer token (at least 16 characters). Mounted into the router pod, so a
+    key added, changed or removed takes effect without a restart (within about a minute)."""
+
+
 class RouterSpec(ApiModel):
     """The request router that sends each request to a prefill, then a decode pod."""
 
@@ -120,6 +131,13 @@ class RouterSpec(ApiModel):
     """Run the router (Deployment and Service)."""
     replicas: int = Field(default=1, ge=0, le=100)
     """Router pods."""
+    auth: RouterAuthSpec | None = None
+    """Require a bearer token on /v1/*; unset: open to every client that reaches the Service (clients are
+    then told apart by address)."""
+    cache_statistics: bool = False
+    """Report usage.prompt_tokens_details.cached_tokens and the usage.daybreak counters in replies. Off by
+    default: with a cache shared across clients they tell a client whether anyone sent the same prompt
+    before (per-credential cache salts under auth close that; see docs/security.md)."""
 
 
 class AutoscalingSpec(ApiModel):

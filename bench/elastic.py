@@ -188,6 +188,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
             "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
             "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
             "autoscaling": autoscaling,
+            "router": {"cacheStatistics": True},  # the load's hit rate reads cached_tokens
         }}
 
 

@@ -115,6 +115,7 @@ def pool_token_env(pdd: PDDeployment) -> dict[str, Any]:
 
 
 POOL_CA_DIR = "/var/run/daybreak/pool-ca"
+ROUTER_AUTH_DIR = "/var/run/daybreak/router-auth"
 
 
 def pool_ca_env(pool: KVPool) -> list[dict[str, Any]]:
@@ -293,9 +294,18 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
             "readinessProbe": copy.deepcopy(HEALTH_PROBE),
         }]},
     }
+    router_spec = pdd.spec.router
+    container = template["spec"]["containers"][0]
+    if router_spec.cache_statistics:
+        container["command"].append("--cache-statistics")
+    if router_spec.auth is not None:
+        # The Secret as files, one per credential; the router re-reads them, so a rotation needs no restart.
+        container["command"] += ["--auth-dir", ROUTER_AUTH_DIR]
+        ca_volumes = [*ca_volumes, {"name": "router-auth", "secret": {"secretName": router_spec.auth.secret_name}}]
+        ca_mounts = [*ca_mounts, {"name": "router-auth", "mountPath": ROUTER_AUTH_DIR, "readOnly": True}]
     if ca_volumes:
         template["spec"]["volumes"] = ca_volumes
-        template["spec"]["containers"][0]["volumeMounts"] = ca_mounts
+        container["volumeMounts"] = ca_mounts
     return template
 
 

@@ -125,12 +125,55 @@ def stream_settings(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def max_tokens(body: Mapping[str, Any], *, default: int = 16, limit: int = 1 << 20) -> int:
-    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int no larger than ``limit``."""
+def max_tokens(body: Mapping[str, Any], *, default: int = 16, limit: int = 1 << 20,
+               context_length: int | None = None, prompt_tokens: int = 0) -> int:
+    """``max_tokens`` (or chat's ``max_completion_tokens``) as a positive int no larger than ``limit``.
+
+    With ``context_length`` (the model's, in tokens) the output must also fit beside the prompt: a request
+    asking for more is refused (RequestError, answered 400), as vLLM does, never silently capped, so a
+    client learns the bound instead of getting a shorter answer than it asked for. Absent, the default is
+    capped to what fits.
+    """
+    cap = limit
+    if context_length is not None:
+        room = context_length - prompt_tokens
+        if room < 1:
+            raise RequestError(f"prompt: {prompt_tokens} tokens leave no room for output in the model's context "
+                               f"length of {context_length} tokens; send a shorter prompt")
+        cap = min(cap, room)
     for name in ("max_tokens", "max_completion_tokens"):
         if body.get(name) is not None:
             value = body[name]
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-                raise RequestError(f"{name} must be an integer in 1..{limit}, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+            if value > cap:
+                if context_length is not None and cap < limit:
+                    raise RequestError(f"{name}: {value} is more than the context leaves for output: the model's "
+                                       f"context length {context_length} minus the prompt's {prompt_tokens} tokens "
+                                       f"is {cap}; ask for at most {cap}")
+                raise RequestError(f"{name} must be an integer in 1..{cap}, got {value!r}")
             return value
-    return default
+    return min(default, cap)
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """The request's ``cache_salt`` (vLLM's extension: requests with different salts never share cached
+    blocks), or None; raises RequestError naming the field when it is not a non-empty string."""
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return value
+
+
+CACHE_STATISTICS_FIELDS = ("prompt_tokens_details", "daybreak")
+"""The parts of ``usage`` that say what a cache held: left out of replies unless the deployment asks."""
+
+
+def without_cache_statistics(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """``usage`` without ``prompt_tokens_details`` (``cached_tokens``) and the ``daybreak`` counters."""
+    return {k: v for k, v in usage.items() if k not in CACHE_STATISTICS_FIELDS}

@@ -115,9 +115,12 @@ def parse_prompt(body: Mapping[str, Any]) -> Prompt:
     raise PromptError("prompt must be a string or a list of token ids (or give messages, or hash_ids)")
 
 
-def block_keys(tokens: Sequence[int], block_tokens: int) -> list[str]:
-    """Chained block keys (``daybreak.client.block_hashes``) of every full block of ``tokens``."""
-    return block_hashes(tokens, block_tokens=block_tokens)
+def block_keys(tokens: Sequence[int], block_tokens: int, *, salt: str = "") -> list[str]:
+    """Chained block keys (``daybreak.client.block_hashes``) of every full block of ``tokens``.
+
+    ``salt`` is the request's ``cache_salt``: it seeds the chain, so every key differs between salts.
+    """
+    return block_hashes(tokens, block_tokens=block_tokens, salt=salt)
 
 
 def _pattern(namespace: str, key: str) -> bytes:

@@ -173,11 +173,13 @@ class Stack:
         return proc.start()
 
     def start_router(self, *, pool_lookup: bool = True, static: bool = True, extra: Sequence[str] = (),
-                     port: int | None = None, env: dict[str, str] | None = None) -> Proc:
+                     port: int | None = None, env: dict[str, str] | None = None, cache_statistics: bool = True,
+                     debug_headers: bool = True) -> Proc:
         """Start (or restart on the same port) the router over the engines started so far.
 
         ``static=False`` leaves discovery to ``extra`` (e.g. ``--prefill-service``); ``pool_lookup``
-        passes the agents, token and kvNamespace.
+        passes the agents, token and kvNamespace. ``cache_statistics`` and ``debug_headers`` (on here, off
+        in a deployed router) let tests and the benchmark read hit rates and which pod served.
         """
         port = port or (self.router.port if self.router else free_port())
         args = ["router", "--host", HOST, "--port", str(port), "--kv-layout", self.layout_json,
@@ -189,6 +191,7 @@ class Stack:
         if pool_lookup and self.agents:
             args += ["--pool-endpoints", self.pool_endpoints, "--token-file", str(self.token_file),
                      "--kv-namespace", self.kv_namespace]
+        args += ["--cache-statistics"] * cache_statistics + ["--debug-headers"] * debug_headers
         args += list(extra)
         self.router = Proc("router", args, self.directory / "router.log", port, env=dict(env or {}))
         return self.router.start()

@@ -9,6 +9,10 @@ Pool lookups need ``--kv-layout`` (block keys) and the pool (``--pool-ref`` or
 engine pods (their ``daybreak.dev/kv-namespace`` label; ``--kv-namespace`` for
 static endpoints), so an upgrade to a new one needs no router restart. Without them the router routes on
 load alone, which is what a vLLM deployment without the prefix API gets.
+Limits and privacy (``--auth-dir``, ``--max-concurrent-per-client``,
+``--request-timeout-seconds``, ``--max-model-len``, ``--cache-statistics``,
+``--debug-headers``) are described in ``serving.router.server`` and
+docs/security.md.
 Every flag has the environment fallback named in its help, so the operator's
 pod env configures it.
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.serving.router.choice import CostModel
+from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT
 from daybreak.serving.router.server import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -97,6 +102,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cost estimate: loading one block from the pool")
     r.add_argument("--queue-seconds", type=float, default=defaults.queue_seconds,
                    help="cost estimate: one request running or waiting on the pod")
+    a = parser.add_argument_group("limits and privacy")
+    a.add_argument("--auth-dir", default=_env("DAYBREAK_ROUTER_AUTH_DIR"),
+                   help="require a bearer token on /v1/*: a directory with one file per credential (a mounted "
+                   "Secret), the file's name the client's name, its text the token ($DAYBREAK_ROUTER_AUTH_DIR; "
+                   "unset: no auth, clients known by address)")
+    a.add_argument("--max-concurrent-per-client", type=int,
+                   default=int(_env("DAYBREAK_ROUTER_MAX_CONCURRENT_PER_CLIENT",
+                                    str(DEFAULT_MAX_CONCURRENT_PER_CLIENT)) or DEFAULT_MAX_CONCURRENT_PER_CLIENT),
+                   help="requests in flight per client (its credential, else its address); more get 429; 0: no "
+                   f"limit ($DAYBREAK_ROUTER_MAX_CONCURRENT_PER_CLIENT, {DEFAULT_MAX_CONCURRENT_PER_CLIENT})")
+    a.add_argument("--request-timeout-seconds", type=float,
+                   default=float(_env("DAYBREAK_ROUTER_REQUEST_TIMEOUT_SECONDS", "600") or 600),
+                   help="every request ends this long after it arrived, streams included "
+                   "($DAYBREAK_ROUTER_REQUEST_TIMEOUT_SECONDS, 600)")
+    a.add_argument("--max-model-len", type=int, default=int(_env("DAYBREAK_ROUTER_MAX_MODEL_LEN", "0") or 0),
+                   help="the model's context length: max_tokens over it minus the prompt is refused with 400 "
+                   "($DAYBREAK_ROUTER_MAX_MODEL_LEN; 0: learnt from the engines' /v1/models max_model_len)")
+    a.add_argument("--cache-statistics", action="store_true",
+                   default=_env("DAYBREAK_ROUTER_CACHE_STATISTICS", "") in ("1", "true"),
+                   help="report usage.prompt_tokens_details.cached_tokens and usage.daybreak to clients "
+                   "($DAYBREAK_ROUTER_CACHE_STATISTICS; off: they would tell a client what others sent)")
+    a.add_argument("--debug-headers", action="store_true",
+                   help="name the pods that served a request, the prefill outcome and the kvNamespace in "
+                   "x-daybreak-* response headers (tests, benchmarks; they expose internal addresses)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
                         "before stopping (in-flight requests and those still arriving)")
     parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
@@ -133,15 +162,31 @@ def _token(args: argparse.Namespace) -> str | None:
 
 async def _main(args: argparse.Namespace) -> int:
     from daybreak.serving import kube
+    from daybreak.serving.router.auth import AuthConfigError, Credentials
     from daybreak.serving.router.discovery import RolePods, service_lister
     from daybreak.serving.router.server import PoolLookup, Router, serve
 
     block_tokens = block_tokens_of(args.kv_layout)
+    for flag, value in (("--max-concurrent-per-client", args.max_concurrent_per_client),
+                        ("--max-model-len", args.max_model_len)):
+        if value < 0:
+            raise SystemExit(f"{flag}: {value} is negative; give 0 (the default behaviour) or more")
+    if not args.request_timeout_seconds > 0:
+        raise SystemExit(f"--request-timeout-seconds: {args.request_timeout_seconds} must be positive")
+    auth: Credentials | None = None
+    if args.auth_dir:
+        try:
+            auth = Credentials(Path(args.auth_dir))
+        except AuthConfigError as exc:
+            raise SystemExit(str(exc)) from None
     config = RouterConfig(
         block_tokens=block_tokens, deadline_seconds=args.deadline_seconds, max_attempts=max(args.max_attempts, 1),
         connect_timeout_seconds=args.connect_timeout_seconds, idle_timeout_seconds=args.idle_timeout_seconds,
         cost=CostModel(compute_block_seconds=args.compute_block_seconds,
-                       load_block_seconds=args.load_block_seconds, queue_seconds=args.queue_seconds))
+                       load_block_seconds=args.load_block_seconds, queue_seconds=args.queue_seconds),
+        request_timeout_seconds=args.request_timeout_seconds,
+        max_concurrent_per_client=args.max_concurrent_per_client, max_model_len=args.max_model_len or None,
+        cache_statistics=args.cache_statistics, debug_headers=args.debug_headers)
     api: Any = None
 
     async def need_api() -> Any:
@@ -203,11 +248,16 @@ async def _main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--token: {exc}") from None
 
     log.info("event=settings mode=%s prefill=%s decode=%s pool_lookup=%s block_tokens=%s deadline_s=%.1f "
-             "max_attempts=%d cost=%s", "colocated" if prefill is None else "pd",
+             "max_attempts=%d cost=%s auth=%s credentials=%d max_concurrent_per_client=%d request_timeout_s=%g "
+             "max_model_len=%s cache_statistics=%s debug_headers=%s", "colocated" if prefill is None else "pd",
              args.prefill_service or args.prefill_endpoints or "-", args.decode_service or args.decode_endpoints,
              "pool-ref:" + args.pool_ref if pool and args.pool_ref else ("static" if pool else "off"),
-             block_tokens, config.deadline_seconds, config.max_attempts, config.cost)
-    router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace)
+             block_tokens, config.deadline_seconds, config.max_attempts, config.cost,
+             "bearer" if auth else "off", len(auth.names) if auth else 0, config.max_concurrent_per_client,
+             config.request_timeout_seconds, config.max_model_len or "from-engines", config.cache_statistics,
+             config.debug_headers)
+    router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace,
+                    auth=auth)
     try:
         await serve(router, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
                     drain_quiet_seconds=args.drain_quiet_seconds)

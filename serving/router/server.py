@@ -24,6 +24,25 @@ Without prefill pods configured (``colocated``), each request is one step on a
 ``both``-role engine chosen like a prefill pod. The router holds no index: a
 restarted one routes as well as before, because the pool and the pods answer
 every question again.
+
+Bounded, so that no client starves the others (docs/security.md):
+
+- **Admission**: with ``--auth-dir`` a request needs a known bearer token
+  (401 otherwise); each client (its credential, else its address) has at most
+  ``--max-concurrent-per-client`` requests in flight (429 beyond).
+- **Cancellation**: a client that goes away cancels its handler (aiohttp's
+  handler cancellation, turned on in ``serve``), and with it the upstream
+  requests to prefill and decode, whose connections are closed, so the
+  engines drop the sequences and free their slots.
+- **Deadline and output cap**: every request ends within
+  ``--request-timeout-seconds``; ``max_tokens`` over the model's context
+  length minus the prompt is refused with 400 (the context length from
+  ``--max-model-len`` or the engines' ``/v1/models``).
+- **No cache oracle**: ``cached_tokens`` and the ``daybreak`` usage counters
+  reach clients only with ``--cache-statistics``; pod addresses and the
+  prefill outcome appear in response headers only with ``--debug-headers``;
+  under auth each credential's requests carry their own ``cache_salt``
+  (``auth.credential_salt``), so tenants never share cached blocks.
 """
 
 from __future__ import annotations
@@ -54,9 +73,12 @@ from prometheus_client import (
 from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
+from daybreak.serving import openai
 from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
 from daybreak.serving.router import choice
+from daybreak.serving.router.auth import Credentials, credential_salt
 from daybreak.serving.router.discovery import PodState, RolePods
+from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT, ConcurrencyLimits, client_id
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +90,8 @@ _EXISTS_CHUNK = 1024
 RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
 PREFIX_TIMEOUT = 0.5
-_DAYBREAK_FIELDS = ("pool_hit_tokens", "local_hit_tokens", "computed_tokens", "bytes_read", "bytes_written",
-                    "blocks_checked", "blocks_corrupt")
+# How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
+CONTEXT_LENGTH_TTL_SECONDS = 30.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 EndpointLister = Callable[[], Awaitable[list[str]]]
@@ -91,6 +113,17 @@ class RouterConfig:
     """An engine that sends nothing for this long has failed the step."""
     cost: choice.CostModel = field(default_factory=choice.CostModel)
     """The choice's cost estimate."""
+    request_timeout_seconds: float = 600.0
+    """Every request ends this long after it arrived, streamed or not (504, or an error event mid-stream):
+    a stream nobody reads cannot hold a decode slot for longer."""
+    max_concurrent_per_client: int = DEFAULT_MAX_CONCURRENT_PER_CLIENT
+    """Requests in flight per client (credential, else address); more are answered 429. 0: unbounded."""
+    max_model_len: int | None = None
+    """The model's context length in tokens (prompt plus output); None: learnt from the engines' /v1/models."""
+    cache_statistics: bool = False
+    """Pass ``usage.prompt_tokens_details`` and ``usage.daybreak`` to clients (they tell what a cache held)."""
+    debug_headers: bool = False
+    """Say in response headers which pods served a request, whether prefill ran, and the kvNamespace."""
 
 
 _POOL_NAMESPACES = 4  # kvNamespaces with open pool clients at once (an upgrade has two live)
@@ -288,7 +321,8 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
     extensions: list[Mapping[str, Any]] = [u["daybreak"] for u in steps if isinstance(u.get("daybreak"), Mapping)]
     if not extensions:
         return out
-    summed: dict[str, int] = {name: sum(int(e.get(name) or 0) for e in extensions) for name in _DAYBREAK_FIELDS}
+    summed: dict[str, int] = {name: sum(int(e.get(name) or 0) for e in extensions)
+                              for name in openai.DAYBREAK_USAGE_FIELDS}
     out["daybreak"] = summed
     prompt_tokens = int(decode.get("prompt_tokens") or 0)
     details = dict(decode.get("prompt_tokens_details") or {})
@@ -314,8 +348,14 @@ class Router:
     """The aiohttp application and the request path; one per process."""
 
     def __init__(self, *, config: RouterConfig, decode: RolePods, prefill: RolePods | None = None,
-                 pool: PoolLookup | None = None, kv_namespace: str | None = None) -> None:
+                 pool: PoolLookup | None = None, kv_namespace: str | None = None,
+                 auth: Credentials | None = None) -> None:
         self.config = config
+        self.auth = auth
+        """Bearer-token credentials (``--auth-dir``); None: every client is admitted, known by its address."""
+        self.limits = ConcurrencyLimits(per_client=config.max_concurrent_per_client)
+        self._context_length: tuple[float, int | None] = (0.0, None)  # (learnt at, value)
+        self._context_lock = asyncio.Lock()
         self.kv_namespace = kv_namespace
         """``--kv-namespace``: the namespace of pods without the label (static endpoints)."""
         self.prefill = prefill
@@ -357,6 +397,8 @@ class Router:
         for pods in (self.prefill, self.decode):
             if pods is not None:
                 self._tasks.append(asyncio.create_task(pods.run(self._session), name=f"pods-{pods.role}"))
+        if self.auth is not None:
+            self._tasks.append(asyncio.create_task(self.auth.run(), name="credentials"))
 
     async def _stop(self, _app: web.Application) -> None:
         for task in self._tasks:
@@ -419,8 +461,10 @@ class Router:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def _models(self, _request: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None
+        if self.auth is not None and self.auth.identify(request.headers.get("Authorization")) is None:
+            return self._unauthorized()
         for pod in self.decode.pods():
             try:
                 async with self._session.get(f"http://{pod.address}/v1/models",
@@ -439,6 +483,14 @@ class Router:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "/v1/chat/completions")
 
+    def _unauthorized(self) -> web.Response:
+        self.metrics.failures.labels("unauthorized").inc()
+        response = _error(401, "a valid bearer token is required: send 'Authorization: Bearer <token>' with a "
+                          "token from the Secret named by the PDDeployment's spec.router.auth.secretName",
+                          kind="authentication_error")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="daybreak-router"'
+        return response
+
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         started = time.monotonic()
         self.metrics.requests.labels(path).inc()
@@ -446,20 +498,92 @@ class Router:
         if self.draining:
             self.drained_requests += 1
             self.metrics.drained_requests.inc()
+        credential: str | None = None
+        if self.auth is not None:
+            credential = self.auth.identify(request.headers.get("Authorization"))
+            if credential is None:
+                return self._unauthorized()
+        client = client_id(credential=credential, peer=request.remote)
+        if not self.limits.try_acquire(client):
+            self.metrics.failures.labels("client_concurrency_limit").inc()
+            response = _error(429, f"this client already has {self.limits.in_flight(client)} requests in flight, "
+                              f"the most one client may have (--max-concurrent-per-client); retry when one ends",
+                              kind="rate_limit_error")
+            response.headers["Retry-After"] = "1"
+            return response
         self._in_flight += 1
         self._idle.clear()
         self.metrics.in_flight.inc()
+        state = _Stream()
         try:
-            return await self._route(request, path, started)
+            async with asyncio.timeout(self.config.request_timeout_seconds):
+                return await self._route(request, path, started, state=state, credential=credential)
+        except TimeoutError:
+            # The deadline cancelled the steps (their upstream connections closed, the engines freed the
+            # slots); a stream already under way ends with an error event, anything else is a 504.
+            self.metrics.failures.labels("request_timeout").inc()
+            message = f"request exceeded the router's deadline of {self.config.request_timeout_seconds:g} s"
+            log.warning("event=request_timeout path=%s timeout_s=%g", path, self.config.request_timeout_seconds)
+            if state.response is None:
+                return _error(504, message, kind="timeout")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await state.response.write(openai.sse({"error": {"message": message, "type": "timeout"}}))
+                await state.response.write_eof()
+            return state.response
+        except asyncio.CancelledError:
+            # The client went away (handler cancellation): the steps' upstream requests were cancelled with us.
+            self.metrics.failures.labels("client_gone").inc()
+            raise
         finally:
+            self.limits.release(client)
             self._in_flight -= 1
             self.metrics.in_flight.dec()
             self.metrics.request_seconds.observe(time.monotonic() - started)
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def _route(self, request: web.Request, path: str, started: float) -> web.StreamResponse:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+    async def context_length(self) -> int | None:
+        """The model's context length: ``--max-model-len``, else what a decode pod's ``/v1/models`` says
+        (vLLM's ``max_model_len``), re-learnt every 30 s; None when no engine says (the engine checks)."""
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        learnt_at, value = self._context_length
+        if time.monotonic() - learnt_at < CONTEXT_LENGTH_TTL_SECONDS:
+            return value
+        async with self._context_lock:
+            learnt_at, value = self._context_length
+            if time.monotonic() - learnt_at < CONTEXT_LENGTH_TTL_SECONDS:
+                return value
+            value = await self._ask_context_length()
+            # An unknown answer is retried sooner: the pods may just be starting.
+            self._context_length = (time.monotonic() - (0 if value else CONTEXT_LENGTH_TTL_SECONDS - 2), value)
+            return value
+
+    async def _ask_context_length(self) -> int | None:
+        assert self._session is not None
+        for pod in self.decode.pods():
+            try:
+                async with self._session.get(f"http://{pod.address}/v1/models",
+                                             timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status != 200:
+                        continue
+                    models = (await r.json()).get("data") or []
+                    lengths = [m.get("max_model_len") for m in models if isinstance(m, dict)]
+                    known = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+                    if known:
+                        return min(known)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+                continue
+        return None
+
+    def _public_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return usage if self.config.cache_statistics else openai.without_cache_statistics(usage)
+
+    async def _route(self, request: web.Request, path: str, started: float, *, state: _Stream,
+                     credential: str | None) -> web.StreamResponse:
+        # A client's id is echoed, never trusted for anything: it only ties log lines together.
+        given = request.headers.get("x-request-id") or ""
+        rid = given if 0 < len(given) <= 64 and given.isprintable() else uuid.uuid4().hex[:16]
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError):
@@ -477,28 +601,40 @@ class Router:
             self.metrics.failures.labels("bad_request").inc()
             return _error(400, str(exc), param="prompt")
         stream = body.get("stream") is True
+        try:
+            client_salt = openai.cache_salt(body)
+            openai.max_tokens(body, context_length=await self.context_length(), prompt_tokens=len(prompt.tokens))
+        except openai.RequestError as exc:
+            self.metrics.failures.labels("bad_request").inc()
+            return _error(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":"))
+        salt = credential_salt(credential, client_salt) if credential is not None else client_salt
+        if salt is not None:
+            body["cache_salt"] = salt  # both steps: prefill writes and decode reads the same salted keys
         keys: list[str] = []
         if self.config.block_tokens:
-            keys = await asyncio.to_thread(block_keys, prompt.tokens, self.config.block_tokens)
+            keys = await asyncio.to_thread(block_keys, prompt.tokens, self.config.block_tokens, salt=salt or "")
         kv_namespace = self._request_namespace()
         pool_blocks: int | None = None
         if self.pool is not None:
             t = time.monotonic()
-            pool_blocks = await self.pool.prefix(keys, namespace=kv_namespace)
+            # Shielded: a lookup cancelled half-way (its client went away) would leave a pool connection
+            # mid-reply; it finishes on its own, bounded by its client's timeout.
+            pool_blocks = await asyncio.shield(self.pool.prefix(keys, namespace=kv_namespace))
             self.metrics.pool_lookup_seconds.observe(time.monotonic() - t)
         self.metrics.prompt_blocks.labels("all").inc(len(keys))
         self.metrics.prompt_blocks.labels("pool").inc(pool_blocks or 0)
 
         headers: dict[str, str] = {"x-request-id": rid}
+        route: dict[str, str] = {}  # what ran where, for the logic below; in headers only with --debug-headers
         if kv_namespace:
-            headers["x-daybreak-kv-namespace"] = kv_namespace
+            route["x-daybreak-kv-namespace"] = kv_namespace
         prefill_usage: dict[str, Any] | None = None
         try:
             if self.prefill is not None:
                 if choice.skip_prefill(blocks=len(keys), pool_blocks=pool_blocks or 0,
                                        pool_known=pool_blocks is not None):
                     self.metrics.prefill_skipped.labels("pool_holds_prompt").inc()
-                    headers["x-daybreak-prefill"] = "skipped"
+                    route["x-daybreak-prefill"] = "skipped"
                 else:
                     prefill_body = {k: v for k, v in body.items() if k not in ("stream_options",)}
                     prefill_body.update(max_tokens=1, stream=False)
@@ -509,36 +645,39 @@ class Router:
                             "prefill", self.prefill, path, prefill_body, started=started, keys=keys,
                             pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid, kv_namespace=kv_namespace)
                         prefill_usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else None
-                        headers["x-daybreak-prefill"] = address
+                        route["x-daybreak-prefill"] = address
                     except StepFailed as exc:
                         # Decode computes what the pool lacks (counted, never skipped): slower, not failed.
                         log.warning("event=prefill_unavailable id=%s reason=%s action=decode_computes", rid,
                                     exc.reason)
                         self.metrics.prefill_skipped.labels("no_prefill_pod").inc()
-                        headers["x-daybreak-prefill"] = "failed"
+                        route["x-daybreak-prefill"] = "failed"
             # What decode will find in the pool: everything once prefill wrote it (or it was skipped);
             # otherwise what the lookup saw. Decode's own engine-local prefix saves loads (or compute).
             decode_pool_blocks = pool_blocks or 0
-            if self.pool is not None and headers.get("x-daybreak-prefill") not in (None, "failed"):
+            if self.pool is not None and route.get("x-daybreak-prefill") not in (None, "failed"):
                 decode_pool_blocks = len(keys)
             decode_body = dict(body)
+            if self.config.debug_headers:
+                headers.update(route)
             if stream:
                 raw_options = body.get("stream_options")
                 options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
                 decode_body["stream_options"] = {**options, "include_usage": True}
                 return await self._stream_step(request, path, decode_body, started=started, keys=keys,
                                                pool_blocks=decode_pool_blocks, prefill_usage=prefill_usage,
-                                               kv_namespace=kv_namespace,
+                                               kv_namespace=kv_namespace, state=state,
                                                headers=headers, rid=rid,
                                                client_wants_usage=bool(options.get("include_usage")))
             address, reply = await self._json_step(
                 "decode", self.decode, path, decode_body, started=started, keys=keys,
                 pool_blocks=decode_pool_blocks, prefix_aware=True, rid=rid, kv_namespace=kv_namespace)
-            headers["x-daybreak-decode"] = address
+            if self.config.debug_headers:
+                headers["x-daybreak-decode"] = address
             usage = combine_usage(prefill_usage, reply.get("usage") if isinstance(reply.get("usage"), dict)
                                   else None)
             if usage is not None:
-                reply["usage"] = usage
+                reply["usage"] = self._public_usage(usage)
             return web.json_response(reply, headers=headers)
         except Refused as exc:
             self.metrics.failures.labels("refused").inc()
@@ -676,6 +815,9 @@ class Router:
                     reason = f"status_{r.status}"
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 reason = type(exc).__name__
+            except asyncio.CancelledError:
+                failed = False  # the client went away or the deadline passed: not the pod's fault
+                raise
             finally:
                 pods.end(address, failed=failed)
             if not self._retry_allowed(attempt=attempt, started=started):
@@ -686,11 +828,10 @@ class Router:
 
     async def _stream_step(self, request: web.Request, path: str, body: dict[str, Any], *, started: float,
                            keys: list[str], pool_blocks: int, prefill_usage: dict[str, Any] | None,
-                           headers: dict[str, str], rid: str, client_wants_usage: bool,
+                           headers: dict[str, str], rid: str, client_wants_usage: bool, state: _Stream,
                            kv_namespace: str | None = None) -> web.StreamResponse:
         assert self._session is not None
         role = "decode"
-        state = _Stream()
         tried: set[str] = set()
         attempt = 0
         payload = json.dumps(body).encode()
@@ -722,6 +863,9 @@ class Router:
                 return state.response or web.Response(status=499)
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 reason = type(exc).__name__
+            except asyncio.CancelledError:
+                failed = False  # the client went away or the deadline passed: not the pod's fault
+                raise
             finally:
                 self.decode.end(address, failed=failed)
             if not self._retry_allowed(attempt=attempt, started=started):
@@ -781,7 +925,8 @@ class Router:
                 if seen <= state.sent_chunks:
                     continue  # the client has this one from an earlier attempt
                 if state.response is None:
-                    headers["x-daybreak-decode"] = address
+                    if self.config.debug_headers:
+                        headers["x-daybreak-decode"] = address
                     state.response = web.StreamResponse(status=200, headers={
                         **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     try:
@@ -804,7 +949,7 @@ class Router:
         if client_wants_usage:
             usage = combine_usage(prefill_usage, state.usage)
             final = dict(state.template or {"object": "text_completion", "choices": []})
-            final["usage"] = usage
+            final["usage"] = self._public_usage(usage) if usage is not None else None
             final["choices"] = []
             await response.write(f"data: {json.dumps(final)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
@@ -815,7 +960,9 @@ class Router:
 async def serve(router: Router, *, host: str, port: int, drain_seconds: float = 30.0,
                 drain_quiet_seconds: float = 0.0, ready: Callable[[], None] | None = None) -> None:
     """Run ``router`` on ``host:port`` until SIGTERM/SIGINT, then drain (see ``Router.drain``) and stop."""
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    # Handler cancellation: a client that closes its connection cancels its request's handler, and with it
+    # the upstream requests (their connections closed, so the engines drop the sequences and free the slots).
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

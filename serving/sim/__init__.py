@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token budget of one step, the chunked-prefill size (default {defaults.max_step_tokens})")
     parser.add_argument("--local-cache-blocks", type=int, default=defaults.local_cache_blocks,
                         help=f"engine-local prefix cache capacity in blocks (default {defaults.local_cache_blocks})")
-    parser.add_argument("--max-model-len", type=int, default=131072, help="longest prompt accepted, in tokens")
+    parser.add_argument("--max-model-len", type=int, default=131072,
+                        help="context length in tokens: prompt plus max_tokens must fit (default 131072)")
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on SIGTERM, wait this long for in-flight requests before exiting anyway")
     parser.add_argument("--pool-workers", type=int, default=4, help="parallel pool clients (threads)")
@@ -275,7 +276,10 @@ async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = Non
 
     engine = Engine(settings.engine, pool=None, metrics=metrics)
     server = SimServer(engine, metrics, model=settings.model, max_model_len=settings.max_model_len)
-    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    # Handler cancellation: a client (the router) that closes its connection cancels the handler, which
+    # drops the request from the batch; without it a non-streamed request ran to max_tokens for nobody.
+    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                           handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
     try:

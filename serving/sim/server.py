@@ -3,7 +3,15 @@
 Every request body is untrusted: it is size-capped by aiohttp, must be a JSON
 object, and each field is checked before the engine sees it (a bad one is a
 400 naming the field). A client that goes away mid-stream has its request
-dropped from the batch at once. Latency metrics are taken on the served
+dropped from the batch at once: a stream notices on its next write, and every
+request (streamed or not) through aiohttp's handler cancellation, which
+``serve`` turns on, so a client that closes its connection frees its slot
+however far the request got. Output must fit the context: ``max_tokens``
+over ``--max-model-len`` minus the prompt is refused with 400, as vLLM does,
+and ``/v1/models`` reports ``max_model_len`` as vLLM's model card does (the
+router reads it). ``cache_salt`` (vLLM's extension) salts the request's block
+keys: requests with different salts never share a cached block, in the
+engine-local cache or the pool. Latency metrics are taken on the served
 response: TTFT when the first token's chunk has been written, ITL between
 written chunks, e2e at the end.
 
@@ -75,6 +83,7 @@ class SimServer:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
             web.post("/daybreak/v1/prefix", self.prefix),
+            web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_page),
         ])
@@ -94,6 +103,12 @@ class SimServer:
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        """vLLM's model list: one model, with the context length clients must fit prompt and output in."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "daybreak", "root": self.model,
+            "max_model_len": self.max_model_len}]})
 
     async def prefix(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -124,7 +139,7 @@ class SimServer:
             return _error(400, "body must be a JSON object")
         return body
 
-    def _parse(self, body: Mapping[str, Any], kind: Kind) -> tuple[list[int], int, bool, bool]:
+    def _parse(self, body: Mapping[str, Any], kind: Kind) -> tuple[list[int], int, bool, bool, str]:
         if kind == "chat" and "messages" not in body and "hash_ids" not in body:
             raise RequestError("messages: required for /v1/chat/completions")
         tokens = parse_prompt(body).tokens
@@ -134,7 +149,8 @@ class SimServer:
             raise RequestError(f"prompt: {len(tokens)} tokens is over this engine's --max-model-len "
                                f"{self.max_model_len}")
         stream, include_usage = openai.stream_settings(body)
-        return tokens, openai.max_tokens(body), stream, include_usage
+        limit = openai.max_tokens(body, context_length=self.max_model_len, prompt_tokens=len(tokens))
+        return tokens, limit, stream, include_usage, openai.cache_salt(body) or ""
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -146,10 +162,10 @@ class SimServer:
         if isinstance(body, web.Response):
             return body
         try:
-            tokens, max_tokens, stream, include_usage = self._parse(body, kind)
+            tokens, max_tokens, stream, include_usage, salt = self._parse(body, kind)
         except (RequestError, PromptError) as exc:
             return _error(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":") or None)
-        keys = block_keys(tokens, self.engine.config.block_tokens)
+        keys = block_keys(tokens, self.engine.config.block_tokens, salt=salt)
         self.active += 1
         self._idle.clear()
         handle = self.engine.submit(tokens, keys, max_tokens=max_tokens)

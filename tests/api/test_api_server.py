@@ -246,7 +246,7 @@ def test_pdd_defaults(applied: Api) -> None:
     spec = applied.get("pddeployments", "sim-llama")["spec"]
     assert spec["model"]["kvLayout"]["dtype"] == "bfloat16" and spec["model"]["kvLayout"]["blockTokens"] == 16
     assert spec["updateStrategy"] == {"maxSurge": 1, "maxUnavailable": 0, "cache": "preserve"}
-    assert spec["router"] == {"enabled": True, "replicas": 1}
+    assert spec["router"] == {"enabled": True, "replicas": 1, "cacheStatistics": False}  # no auth unless named
     assert spec["autoscaling"]["enabled"] is False and spec["autoscaling"]["intervalSeconds"] == 15
 
 

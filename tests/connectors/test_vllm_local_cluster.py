@@ -156,7 +156,8 @@ def deployment(cluster: LocalCluster, tiny_model: Path, vllm_python: Path,
                                            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
                                            {"name": "DO_NOT_TRACK", "value": "1"}]},
                         "prefill": {"replicas": 1, "template": _engine_env(0)},
-                        "decode": {"replicas": 1, "template": _engine_env(1)}}}
+                        "decode": {"replicas": 1, "template": _engine_env(1)},
+                        "router": {"cacheStatistics": True}}}  # the test reads cached_tokens through it
         started = time.monotonic()
         env.figures["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd))

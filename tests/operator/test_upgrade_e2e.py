@@ -152,6 +152,7 @@ def env(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
                       "prefill": {"replicas": 1},
                       "decode": {"replicas": 1},
                       "updateStrategy": {"cache": "flush"},
+                      "router": {"cacheStatistics": True},  # the hit rates read cached_tokens
                   }})
         e.wait("the router and one engine per role ready", lambda: e.ns.ready_pods(
             f"daybreak.dev/deployment={PDD},daybreak.dev/role=router") and e.rolled_to(str(e.pdd()["status"][

@@ -129,7 +129,8 @@ def serving(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> 
                         # Modelled durations at a tenth: the test is about the path, not the timing. No
                         # engine-local prefix cache: every block a turn reuses must come through the pool.
                         "engine": {"kind": "sim", "args": ["--time-scale", "0.1", "--local-cache-blocks", "0"]},
-                        "prefill": {"replicas": 1}, "decode": {"replicas": 2}}}
+                        "prefill": {"replicas": 1}, "decode": {"replicas": 2},
+                        "router": {"cacheStatistics": True}}}  # the hit rates read cached_tokens
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump_all([pool, pdd]))
         wait_for("the PDDeployment Ready", lambda: any(
             c["type"] == "Ready" and c["status"] == "True" for c in (api.get(
@@ -264,3 +265,42 @@ def test_a_restarted_router_routes_with_the_same_hit_rate(serving: Serving) -> N
     after = serving.load(*args, "--seed", "4")
     assert before["failed_requests"] == 0 and after["failed_requests"] == 0, (before["errors"], after["errors"])
     assert after["hit_rate"] >= before["hit_rate"] - 0.1, (before["hit_rate"], after["hit_rate"])
+
+
+def test_router_auth_from_the_pddeployments_secret_admits_only_its_tokens(serving: Serving) -> None:
+    """spec.router.auth.secretName: the operator mounts the Secret into a new router pod (rolled surge
+    first), which then answers 401 without a known bearer token; the Secret's keys are the credentials."""
+    token = "e2e-router-token-0123456789"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "router-tokens"},
+              "stringData": {"e2e-client": token}}
+    assert serving.api.post(f"/api/v1/namespaces/{NS}/secrets", json=secret).status_code == 201
+    path = f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/{PDD}"
+
+    def patch_router(router: dict[str, Any]) -> None:
+        r = serving.api.patch(path, content=json.dumps({"spec": {"router": router}}),
+                              headers={"Content-Type": "application/merge-patch+json"})
+        assert r.status_code == 200, r.text
+
+    def one_router(with_auth: bool) -> str | None:
+        ready = serving.ready_pods("router")
+        if len(ready) == 1 and ("--auth-dir" in ready[0]["spec"]["containers"][0]["command"]) == with_auth:
+            return f"http://{ready[0]['status']['podIP']}:8000"
+        return None
+
+    patch_router({"auth": {"secretName": "router-tokens"}})
+    try:
+        url = wait_for("the router rolled to one with auth", lambda: one_router(True), timeout=180,
+                       on_fail=serving.diagnose)
+        body = {"model": "sim/tiny", "prompt": "authenticated " * 8, "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+        wrong = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": "Bearer e2e-router-token-wrong-000"})
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"].startswith("Bearer")
+        right = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": f"Bearer {token}"})
+        assert right.status_code == 200, right.text
+        assert not [h for h in right.headers if h.startswith("x-daybreak")]  # no pod addresses
+    finally:
+        patch_router({"auth": None})
+        wait_for("the router rolled back to one without auth", lambda: one_router(False), timeout=180,
+                 on_fail=serving.diagnose)
