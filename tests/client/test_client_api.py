@@ -130,7 +130,7 @@ def test_help_lists_a_small_public_surface() -> None:
     import daybreak.client as client_module
 
     assert sorted(client_module.__all__) == ["AsyncKVPoolClient", "KVPoolAuthorizationError", "KVPoolClient",
-                                             "KVPoolError", "POOL_TLS_CA_ENV", "block_hashes", "pool_tls_ca_file"]
+                                             "KVPoolError", "KVPoolQuotaError", "POOL_TLS_CA_ENV", "block_hashes", "pool_tls_ca_file"]
     for name in ("batch_put", "batch_get_into", "batch_exists", "remove", "close"):
         assert getattr(KVPoolClient, name).__doc__, name
     assert "seconds" in (KVPoolClient.__doc__ or "")
