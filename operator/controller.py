@@ -352,8 +352,7 @@ class Controller:
         generation = body["metadata"].get("generation")
         problems: list[Condition] = []
         if full:
-            desired = pool_mod.build(pool, image=self.settings.image, metrics_port=self.settings.agent_metrics_port,
-                                     policy=self.settings.pool_policy)
+            desired = pool_mod.build(pool, image=self.settings.image, policy=self.settings.pool_policy)
             labels = pool_mod.labels_for(pool)
             if desired.token_secret is not None:
                 # A POST per full reconcile (409 once it exists): the operator cannot watch Secrets, and a
@@ -567,7 +566,8 @@ class Controller:
             full = True  # prefill finished rolling to the new namespace: decode may follow now
         if full:
             try:
-                desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
+                desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold,
+                                        policy=self.settings.pool_policy)
             except PolicyError as exc:
                 await self._refuse(key, PDDEPLOYMENT, body, exc)
                 return "refused"

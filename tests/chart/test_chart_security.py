@@ -266,7 +266,7 @@ def _wait_operator_policy(kube: LocalCluster) -> None:
 def _built_pool(**spec: Any) -> pool_mod.PoolChildren:
     body = _pool("real", **spec)
     body["metadata"].update({"uid": "u", "generation": 1})
-    return pool_mod.build(KVPool.from_body(body), image=IMAGE, metrics_port=9401)
+    return pool_mod.build(KVPool.from_body(body), image=IMAGE)
 
 
 def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: LocalCluster, installed: str) -> None:
