@@ -318,7 +318,7 @@ def _security_context_violations(ctx: dict[str, Any], *, where: str, user: bool)
         out.append(Violation(f"{where}.seccompProfile.type", (
             f"seccomp profile {seccomp!r} is not allowed for engines (they run {ENGINE_SECCOMP}); remove it")))
     for name in ("seLinuxOptions", "appArmorProfile", "sysctls"):
-        if ctx.get(name):
+        if name in ctx:
             out.append(Violation(f"{where}.{name}", "engines may not override SELinux, AppArmor or sysctls; remove it"))
     if ctx.get("privileged"):
         out.append(Violation(f"{where}.privileged", "privileged engine containers are not allowed; remove it"))
