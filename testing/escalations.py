@@ -9,7 +9,8 @@ tests/operator/test_pool_policy_units.py run this same table against the CEL and
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as default
 from typing import Any
 
 POOL_SECRET = "kv-minimal-token"  # the pool secret of examples/kvpool-minimal.yaml (generated name)
@@ -22,8 +23,8 @@ class Escalation:
 
     name: str
     field: str
-    template: dict[str, Any] = field(default_factory=dict)
-    env: list[dict[str, Any]] = field(default_factory=list)
+    template: dict[str, Any] = default(default_factory=dict)
+    env: list[dict[str, Any]] = default(default_factory=list)
 
     def admission_field(self) -> str:
         """The field as the PDDeployment names it."""
