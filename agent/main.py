@@ -248,7 +248,9 @@ class AgentRegistry:
 def start_store(settings: AgentSettings) -> Any:
     """Open the tiers, start serving and log ``ready``; returns the running StoreServer."""
     from daybreak.pool.connection import parse_address
+    from daybreak.pool.shm import share_with_group
 
+    share_with_group(settings.shm_group_access)
     token = load_token(settings.token_file)
     server = build_store(settings, token=token)
     if settings.metrics_port:

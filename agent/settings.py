@@ -88,6 +88,9 @@ class AgentSettings(BaseModel):
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
     tls_ca_file: str = Field("", description="PEM CA bundle this agent checks its peers' certificates against "
                              "(store and transfer engine); empty: the system's CAs")
+    shm_group_access: bool = Field(False, description="create the DRAM tier's segments mode 0660 for this process's "
+                                   "primary group (the operator sets it, with the pool's own group id, so the "
+                                   "pool's engines map them); off: 0600")
     keep_segments: bool = Field(False, description="standalone: keep the DRAM tier in /dev/shm and the SSD "
                                 "directory after a clean stop (for a restart that re-adopts them)")
     orphan_seconds: float = Field(3600.0, ge=0, description="tiers in /dev/shm and SSD directories under "

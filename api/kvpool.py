@@ -124,7 +124,9 @@ def _no_duplicates(items: list[Transport]) -> list[Transport]:
     return items
 
 
-DEFAULT_TRANSPORTS = [Transport.SHM, Transport.LINK, Transport.RDMA, Transport.TCP]
+# rdma is opt-in: an agent that may use it runs as root with IPC_LOCK and the host's /dev/infiniband
+# (operator/pool.py says why), and most nodes have no RDMA NIC, so the default pool stays non-root.
+DEFAULT_TRANSPORTS = [Transport.SHM, Transport.LINK, Transport.TCP]
 
 
 class TransportSpec(ApiModel):
@@ -138,7 +140,8 @@ class TransportSpec(ApiModel):
     )
     """Allowed transports, most preferred first; a path not listed is never used, and each pair of
     endpoints uses the first listed one both support (rdma: RDMA NICs, link: device links within a
-    link domain, shm: same node, tcp: anywhere)."""
+    link domain, shm: same node, tcp: anywhere). rdma is not in the default: list it to opt in, and
+    the pool's agents then run as root with IPC_LOCK and the host's /dev/infiniband."""
 
 
 class AuthSpec(ApiModel):
@@ -185,8 +188,10 @@ class AgentSpec(ApiModel):
     """Agent container image; defaults to the operator's own image."""
     resources: ResourceRequirements | None = None
     """Compute resources of the agent container."""
-    port: int = Field(default=7400, ge=1, le=65535)
-    """Port the agent serves the store protocol on."""
+    port: int = Field(default=7400, ge=1, le=65534)
+    """Host port the agent serves the store protocol on; the next port (port + 1) serves its
+    /metrics. Agents use the host network, so pools that share a node need ports at least 2 apart,
+    and both ports must lie in the cluster admin's poolPolicy.agentPortRange."""
 
 
 class KVPoolSpec(ApiModel):

@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 WIDTH = 100
 TIERS = ("hbm", "dram", "ssd")
 # Where the operator tells agents to serve /metrics when the pool's Service does not say (OperatorSettings).
-DEFAULT_AGENT_METRICS_PORT = 9401
 METRICS_TIMEOUT_SECONDS = 2.0
 # A hostile or broken endpoint must not make the command read without bound.
 METRICS_MAX_BYTES = 4 << 20
@@ -582,7 +581,9 @@ async def _metrics_port(kube: Any, view_pool: KVPool, *, override: int | None) -
     for port in ((service or {}).get("spec") or {}).get("ports") or []:
         if port.get("name") == "metrics" and isinstance(port.get("port"), int):
             return int(port["port"])
-    return DEFAULT_AGENT_METRICS_PORT
+    from daybreak.operator.pool import metrics_port
+
+    return metrics_port(view_pool)  # what the operator configures: the port after the store port
 
 
 def _explain(exc: Exception, *, server: str, what: str) -> StatusError:
@@ -676,7 +677,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-A", "--all-namespaces", action="store_true", help="pools and deployments of every namespace")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
     parser.add_argument("--metrics-port", type=int,
-                        help="agents' /metrics port (default: the pool's Service port 'metrics', else 9401)")
+                        help="agents' /metrics port (default: the pool's Service port 'metrics', else spec.agent.port + 1)")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="seconds for each API request")
 
 

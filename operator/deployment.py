@@ -19,6 +19,13 @@ that works without cluster DNS or kube-proxy, as on the local cluster. They
 run under a per-PDDeployment ServiceAccount whose Role may read exactly that
 (the KVPool by name, EndpointSlices of the namespace). Engine and router pods
 are Ready only once ``GET /health`` answers, that is once they serve.
+
+Engine and router pods run non-root as the pool's group id (user and group,
+``PoolPolicy.pool_group``) with seccomp RuntimeDefault: the pool's agents
+create its shared-memory segments group-readable for that id only, so an
+engine maps its own pool's segments and no other pool's (docs/security.md).
+The user's ``engine.env`` and partial templates are checked before anything
+is built (``policy.deployment_violations``), the built templates again.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import PolicyError, engine_pod_violations
+from daybreak.operator.policy import (
+    ENGINE_SECCOMP,
+    OPERATOR_ENV_PREFIX,
+    PolicyError,
+    PoolPolicy,
+    deployment_violations,
+    engine_pod_violations,
+)
 from daybreak.operator.pool import TLS_CA_KEY, PoolNames
 from daybreak.pool.engine_secret import SECRET_KEY, credential_secret_name
 
@@ -159,9 +173,11 @@ def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, An
         {"name": "DAYBREAK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *pool_ca_env(pool),
     ]
-    user = [e.to_dict() for e in spec.engine.env]
+    # The operator's DAYBREAK_* variables are the engine's contract with the pool (its credential among
+    # them): the policy refuses a user variable of that prefix, and the operator's value wins here too.
+    user = [e.to_dict() for e in spec.engine.env if not e.name.startswith(OPERATOR_ENV_PREFIX)]
     overridden = {u["name"] for u in user}
-    # The user's variables come last and win on a clash (a deliberate override, e.g. for debugging).
+    # The user's other variables come last and win on a clash (a deliberate override, e.g. for debugging).
     return [e for e in env if e["name"] not in overridden] + user
 
 
@@ -222,8 +238,21 @@ def _merge(base: Any, overlay: Any) -> Any:
     return copy.deepcopy(overlay)
 
 
-def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> Manifest:
+def pod_security(pool: KVPool, policy: PoolPolicy) -> dict[str, Any]:
+    """The pod securityContext of a pool's engines and routers: non-root as the pool's id, RuntimeDefault."""
+    group = policy.pool_group(pool.metadata.uid or "")
+    return {"runAsNonRoot": True, "runAsUser": group, "runAsGroup": group,
+            "seccompProfile": {"type": ENGINE_SECCOMP}}
+
+
+# What every engine and router container gets: no privilege gain (no setuid helper can raise it).
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False}
+
+
+def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str,
+                 policy: PoolPolicy | None = None) -> Manifest:
     spec = pdd.spec
+    policy = policy or PoolPolicy()
     role_spec: RoleSpec = getattr(spec, role.value)
     container: dict[str, Any] = {
         "name": "engine",
@@ -232,11 +261,12 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
         "env": engine_env(pdd, pool, role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "readinessProbe": copy.deepcopy(HEALTH_PROBE),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
     if role_spec.resources is not None:
         container["resources"] = role_spec.resources.to_dict()
     pod_spec: dict[str, Any] = {"serviceAccountName": DeploymentNames(pdd.metadata.name or "").serving_account,
-                                "containers": [container]}
+                                "securityContext": pod_security(pool, policy), "containers": [container]}
     if Transport.SHM in pool.spec.transport.preference:
         # Same-node zero copy: the agent's DRAM segments live in the host's /dev/shm.
         pod_spec["volumes"] = [{"name": "dev-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}]
@@ -260,7 +290,7 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str) -> 
     return template
 
 
-def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
+def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: PoolPolicy | None = None) -> Manifest:
     names = DeploymentNames(pdd.metadata.name or "")
     ns = pdd.metadata.namespace or ""
     layout = pdd.spec.model.kv_layout
@@ -268,7 +298,7 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
     template: Manifest = {
         "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
         # The router drains for up to ROUTER_DRAIN_SECONDS after SIGTERM; the grace period covers it.
-        "spec": {"serviceAccountName": names.serving_account,
+        "spec": {"serviceAccountName": names.serving_account, "securityContext": pod_security(pool, policy or PoolPolicy()),
                  "terminationGracePeriodSeconds": ROUTER_DRAIN_SECONDS + 15, "containers": [{
             "name": "router",
             "image": image,
@@ -292,6 +322,7 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str) -> Manifest:
             ],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "readinessProbe": copy.deepcopy(HEALTH_PROBE),
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         }]},
     }
     router_spec = pdd.spec.router
@@ -422,15 +453,23 @@ def _service(pdd: PDDeployment, role: Role, name: str, *, headless: bool) -> Man
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}
 
 
-def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manifest] | None = None) -> DeploymentChildren:
+def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manifest] | None = None,
+          policy: PoolPolicy | None = None) -> DeploymentChildren:
     """Every child; ``hold`` maps a role to the live pod template it keeps for now (see ``rollout_holds``).
 
-    Raises PolicyError when a role's template asks for host access (docs/security.md).
+    Raises PolicyError when the user's env or a role's template asks for more than the restricted profile
+    (docs/security.md), naming the fields.
     """
+    policy = policy or PoolPolicy()
+    violations = deployment_violations(pdd, policy)
+    if violations:
+        raise PolicyError(violations)
     names = DeploymentNames(pdd.metadata.name or "")
-    templates = {role: pod_template(pdd, pool, role, image=image) for role in ENGINE_ROLES}
+    templates = {role: pod_template(pdd, pool, role, image=image, policy=policy) for role in ENGINE_ROLES}
+    credential = credential_secret_name(pdd.metadata.name or "", pdd.spec.kv_namespace())
     violations = [v for role in ENGINE_ROLES
-                  for v in engine_pod_violations(templates[role]["spec"], where=f"spec.{role.value}.template.spec")]
+                  for v in engine_pod_violations(templates[role], where=f"spec.{role.value}.template",
+                                                 policy=policy, credential=credential)]
     if violations:
         raise PolicyError(violations)
     rev = revision([templates[r] for r in ENGINE_ROLES])
@@ -445,7 +484,7 @@ def build(pdd: PDDeployment, pool: KVPool, *, image: str, hold: dict[Role, Manif
     router_deploy = names.role(Role.ROUTER)
     if pdd.spec.router.enabled:
         router = _workload(pdd, Role.ROUTER, router_deploy, pdd.spec.router.replicas,
-                           router_template(pdd, pool, image=image))
+                           router_template(pdd, pool, image=image, policy=policy))
         router["spec"]["strategy"] = copy.deepcopy(ROUTER_STRATEGY)
         applied.append((Role.ROUTER, router))
         applied.append((Role.ROUTER, _service(pdd, Role.ROUTER, names.router_service, headless=False)))

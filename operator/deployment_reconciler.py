@@ -115,7 +115,8 @@ class DeploymentReconciler:
             full = True  # prefill finished rolling to the new namespace: decode may follow now
         if full:
             try:
-                desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold)
+                desired = pdd_mod.build(pdd, pool, image=self.settings.image, hold=hold,
+                                        policy=self.settings.pool_policy)
             except PolicyError as exc:
                 await self.status.refuse(key, body=body, exc=exc)
                 return "refused"

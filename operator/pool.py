@@ -13,12 +13,16 @@ Agent privileges, and why each is needed (nothing else is granted; docs/security
   keeps the pool's blocks in its own subdirectory named after the pool's
   namespace, name and uid, and removes it when the pool leaves the node;
 - host ``/dev/hugepages`` when the DRAM tier uses huge pages;
-- host ``/dev/infiniband`` when rdma is an allowed transport (verbs devices);
+- host ``/dev/infiniband`` when rdma is an allowed transport (verbs devices;
+  rdma is opt-in: the default transport list leaves it out);
 - ``IPC_LOCK``, with rdma only: pinning registered memory; with it the kernel
   ignores RLIMIT_MEMLOCK for verbs registration, which is how "memlock
   unlimited" is expressed in a Pod (there is no ulimit field);
 - ``hostNetwork``: agents are reached on the node's own addresses (RDMA NICs,
-  no overlay hop), as Mooncake's and NCCL's node daemons are.
+  no overlay hop), as Mooncake's and NCCL's node daemons are. Each pool's
+  agents take two host ports, ``spec.agent.port`` (store) and the next one
+  (/metrics), from the admin's ``poolPolicy.agentPortRange``: no port is
+  shared by every pool, so pools with different ports share nodes.
 
 The agent runs as user 65532 with no capabilities and a read-only root file
 system unless its tiers need root: rdma (a capability is effective only for
@@ -26,6 +30,10 @@ uid 0 in a container: Kubernetes has no ambient capabilities, and
 no_new_privs disables file capabilities) and huge pages (hugetlbfs is
 root-owned). The SSD directory, created root-owned by the kubelet, is handed
 to 65532 by an init container that holds only CHOWN and DAC_READ_SEARCH.
+
+Its primary group is the pool's own id (``PoolPolicy.pool_group``), which its
+engines run as: the DRAM tier's segments are created mode 0660, so the pool's
+engines map them and other pools' engines (another id, never root) cannot.
 """
 
 from __future__ import annotations
@@ -111,7 +119,12 @@ def selector_for(pool: KVPool) -> dict[str, str]:
     return {k: full[k] for k in ("daybreak.dev/pool", "app.kubernetes.io/component")}
 
 
-def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
+def metrics_port(pool: KVPool) -> int:
+    """The agents' /metrics port: the one after the store port (both host ports, both the pool's own)."""
+    return pool.spec.agent.port + 1
+
+
+def agent_settings(pool: KVPool) -> dict[str, Any]:
     """The agent's settings file: the pool's effective config in AgentSettings' field names."""
     from daybreak.agent.settings import AgentSettings  # the agent's own schema: what we write, it can read
 
@@ -134,7 +147,8 @@ def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
         "hbm_bytes": hbm.bytes_per_device if hbm else 0,
         "replicas": spec.replication.replicas,
         "token_file": f"{TOKEN_DIR}/{TOKEN_KEY}",
-        "metrics_port": metrics_port,
+        "metrics_port": metrics_port(pool),
+        "shm_group_access": True,  # the pool's engines share the agent's primary group (the pool's id)
         "eviction_policy": spec.eviction.policy.value,
         "high_watermark": spec.eviction.high_watermark,
         "low_watermark": spec.eviction.low_watermark,
@@ -156,9 +170,9 @@ def agent_settings(pool: KVPool, *, metrics_port: int) -> dict[str, Any]:
     return values
 
 
-def config_data(pool: KVPool, *, metrics_port: int) -> dict[str, str]:
+def config_data(pool: KVPool) -> dict[str, str]:
     return {
-        AGENT_CONFIG_FILE: yaml.safe_dump(agent_settings(pool, metrics_port=metrics_port), sort_keys=True),
+        AGENT_CONFIG_FILE: yaml.safe_dump(agent_settings(pool), sort_keys=True),
         POOL_FILE: json.dumps(pool.spec.to_dict(), indent=2, sort_keys=True),
     }
 
@@ -205,7 +219,7 @@ class PoolChildren:
     token_secret: Manifest | None = None
 
 
-def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | None = None) -> PoolChildren:
+def build(pool: KVPool, *, image: str, policy: PoolPolicy | None = None) -> PoolChildren:
     """The desired children of ``pool``; raises PolicyError (naming the fields) when the policy refuses it."""
     policy = policy or PoolPolicy()
     violations = pool_violations(pool, policy)
@@ -216,7 +230,7 @@ def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | N
     names = PoolNames(name, namespace)
     spec = pool.spec
     labels = labels_for(pool)
-    data = config_data(pool, metrics_port=metrics_port)
+    data = config_data(pool)
     secret_name = token_secret_name(pool)
     out = PoolChildren()
 
@@ -249,14 +263,15 @@ def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | N
         "spec": {
             "clusterIP": "None", "selector": selector_for(pool),
             "ports": [{"name": "store", "port": spec.agent.port, "targetPort": spec.agent.port, "protocol": "TCP"},
-                      {"name": "metrics", "port": metrics_port, "targetPort": metrics_port, "protocol": "TCP"}],
+                      {"name": "metrics", "port": metrics_port(pool), "targetPort": metrics_port(pool),
+                       "protocol": "TCP"}],
             # Engines must only see agents that serve (readiness), never half-started ones.
             "publishNotReadyAddresses": False,
         },
     })
-    out.applied.append(daemonset(pool, image=image, metrics_port=metrics_port, labels=labels,
-                                 config_hash=_hash(data), secret_name=secret_name,
-                                 priority_class=policy.agent_priority_class_name))
+    out.applied.append(daemonset(pool, image=image, labels=labels, config_hash=_hash(data), secret_name=secret_name,
+                                 priority_class=policy.agent_priority_class_name,
+                                 group=policy.pool_group(pool.metadata.uid or "")))
     if not (spec.auth and spec.auth.secret_ref):
         out.token_secret = {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name}, "type": "Opaque",
@@ -265,8 +280,9 @@ def build(pool: KVPool, *, image: str, metrics_port: int, policy: PoolPolicy | N
     return out
 
 
-def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, str], config_hash: str,
-              secret_name: str, priority_class: str = "") -> Manifest:
+def daemonset(pool: KVPool, *, image: str, labels: dict[str, str], config_hash: str, secret_name: str,
+              group: int, priority_class: str = "") -> Manifest:
+    """The agent DaemonSet; ``group`` is the pool's id (the agents' primary group, its engines' user and group)."""
     names = PoolNames(pool.metadata.name or "", pool.metadata.namespace or "")
     spec = pool.spec
     volumes: list[dict[str, Any]] = [
@@ -298,7 +314,7 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
             # The kubelet creates the directory root-owned; hand it (not following links) to the agent's user.
             init.append({
                 "name": "ssd-owner", "image": spec.agent.image or image,
-                "command": ["chown", "-R", "-h", f"{AGENT_UID}:{AGENT_UID}", ssd.path],
+                "command": ["chown", "-R", "-h", f"{AGENT_UID}:{group}", ssd.path],
                 "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "privileged": False,
                                     "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"add": ["CHOWN", "DAC_READ_SEARCH"], "drop": ["ALL"]}},
@@ -326,7 +342,7 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
             {"name": "DAYBREAK_LISTEN", "value": f"$(DAYBREAK_POD_IP):{spec.agent.port}"},
         ],
         "ports": [{"name": "store", "containerPort": spec.agent.port, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],
+                  {"name": "metrics", "containerPort": metrics_port(pool), "protocol": "TCP"}],
         "securityContext": {
             "privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"add": ["IPC_LOCK"] if rdma_wanted(pool) else [], "drop": ["ALL"]},
@@ -346,8 +362,9 @@ def daemonset(pool: KVPool, *, image: str, metrics_port: int, labels: dict[str, 
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
-        "securityContext": ({"runAsUser": 0, "runAsNonRoot": False} if root else
-                            {"runAsUser": AGENT_UID, "runAsGroup": AGENT_UID, "runAsNonRoot": True})
+        # The pool's id as primary group: segments the agent creates are the pool's group's (mode 0660).
+        "securityContext": ({"runAsUser": 0, "runAsGroup": group, "runAsNonRoot": False} if root else
+                            {"runAsUser": AGENT_UID, "runAsGroup": group, "runAsNonRoot": True})
         | {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     if init:

@@ -84,8 +84,7 @@ class PoolReconciler:
         """Apply every child of the pool; the conditions it could not make true (a missing Secret)."""
         ns, name = key[1], key[2]
         problems: list[Condition] = []
-        desired = pool_mod.build(pool, image=self.settings.image, metrics_port=self.settings.agent_metrics_port,
-                                 policy=self.settings.pool_policy)
+        desired = pool_mod.build(pool, image=self.settings.image, policy=self.settings.pool_policy)
         labels = pool_mod.labels_for(pool)
         if desired.token_secret is not None:
             # A POST per full reconcile (409 once it exists): the operator cannot watch Secrets, and a

@@ -43,7 +43,6 @@ class OperatorSettings(BaseModel):
     max_backoff_seconds: float = Field(60.0, gt=0, description="ceiling of the per-object retry back-off")
     image: str = Field(f"ghcr.io/daybreak-ai/daybreak:{__version__}",
                        description="image for agents, routers and sim engines when a resource names none")
-    agent_metrics_port: int = Field(9401, ge=1, le=65535, description="port agents serve /metrics on")
 
     # -- pool policy (docs/security.md) ---------------------------------------------------------
     policy_dir: str | None = Field(None, description="the chart's pool-policy ConfigMap mounted as a directory; "

@@ -20,6 +20,16 @@ from daybreak.errors import DaybreakError
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path(os.environ.get("DAYBREAK_SHM_DIR", "/dev/shm"))
+# Mode of new segments. 0600 unless the agent was told to share them with its primary group
+# (``share_with_group``): under the operator that group is the pool's own id, which only the pool's
+# engines also hold, so same-node zero copy works for them and for no other pool's engines.
+_segment_mode = 0o600
+
+
+def share_with_group(enabled: bool) -> None:
+    """Create later segments mode 0660 (``enabled``) or 0600; set once at agent start-up."""
+    global _segment_mode
+    _segment_mode = 0o660 if enabled else 0o600
 
 
 class ShmSegment:
@@ -56,6 +66,8 @@ class ShmSegment:
         fd = os.open(cls.path_of(name), flags, 0o600)
         try:
             check_owned(fd, cls.path_of(name))
+            # Explicitly: the umask would strip the group's write bit from the open() mode.
+            os.fchmod(fd, _segment_mode)
         except BaseException:
             os.close(fd)
             raise
@@ -83,10 +95,15 @@ class NotOwned(DaybreakError, OSError):
     """A shared-memory file that is not a regular file of this user, or is open to others: never adopted."""
 
 
+def closed_to_others(st: os.stat_result) -> bool:
+    """No access for others, and group access only for this process's own group (the pool's id)."""
+    return not st.st_mode & 0o007 and (not st.st_mode & 0o070 or st.st_gid == os.getegid())
+
+
 def check_owned(fd: int, path: Path) -> None:
-    """Raise NotOwned unless ``fd`` is a regular file owned by this user with no group/other access."""
+    """Raise NotOwned unless ``fd`` is a regular file owned by this user, closed to others and other groups."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not closed_to_others(st):
         raise NotOwned(f"{path}: not a private regular file of uid {os.geteuid()} "
                        f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)}); remove it, or it is someone else's")
 

@@ -40,7 +40,7 @@ from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
 from daybreak.errors import DaybreakError
 from daybreak.pool.checksum import crc32c
-from daybreak.pool.shm import SHM_DIR, Backing, ShmSegment
+from daybreak.pool.shm import SHM_DIR, Backing, ShmSegment, closed_to_others
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def _private_file(path: Path, size: int | None) -> bool:
         st = path.lstat()
     except FileNotFoundError:
         return False
-    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and closed_to_others(st)
             and (size is None or st.st_size == size))
 
 

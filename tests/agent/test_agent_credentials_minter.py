@@ -72,7 +72,7 @@ def test_agent_mints_a_scoped_credential_a_real_agent_accepts_for_that_namespace
     pool_doc["metadata"] = {"name": "kv-minimal", "namespace": ns}
     pool = KVPool.model_validate(pool_doc)
     # The agent's ServiceAccount, Role and RoleBinding exactly as the operator renders them.
-    rbac = [m for m in pool_mod.build(pool, image="daybreak:dev", metrics_port=9400).applied
+    rbac = [m for m in pool_mod.build(pool, image="daybreak:dev").applied
             if m["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     kube.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(rbac))
     account = pool_mod.PoolNames("kv-minimal", ns).service_account

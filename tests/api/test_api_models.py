@@ -126,7 +126,7 @@ def test_kvpool_from_body_parses_camel_case_and_fills_defaults() -> None:
     assert pool.spec.tiers.ssd is None
     assert pool.spec.eviction.policy is EvictionPolicy.S3FIFO
     assert (pool.spec.eviction.high_watermark, pool.spec.eviction.low_watermark) == (0.9, 0.8)
-    assert pool.spec.transport.preference == [Transport.SHM, Transport.LINK, Transport.RDMA, Transport.TCP]
+    assert pool.spec.transport.preference == [Transport.SHM, Transport.LINK, Transport.TCP]  # rdma is opt-in
     assert pool.spec.agent.port == 7400
     assert pool.status.nodes.ready == 0
     quotas = pool.spec.quotas

@@ -222,7 +222,7 @@ def test_server_defaults_show_in_get_and_match_python_defaults(applied: Api) -> 
     spec = pool["spec"]
     assert spec["eviction"] == {"policy": "lru", "highWatermark": 0.9, "lowWatermark": 0.8}
     assert spec["replication"] == {"replicas": 1}
-    assert spec["transport"] == {"preference": ["shm", "link", "rdma", "tcp"]}
+    assert spec["transport"] == {"preference": ["shm", "link", "tcp"]}
     assert spec["agent"] == {"port": 7400}
     assert spec["leaseSeconds"] == 10
     assert spec["tiers"]["dram"] == {"bytesPerNode": "8Gi", "enabled": True, "hugePages": False}

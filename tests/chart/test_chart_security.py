@@ -19,12 +19,14 @@ from daybreak.api.pddeployment import PDDeployment
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
+from daybreak.testing.escalations import ESCALATIONS, Escalation
 
 RELEASE, RELEASE_NS = "sec", "daybreak-sec"
 POOL_NS, OTHER_NS = "sec-pools", "sec-other"
 OPERATOR = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}-daybreak-operator"
 IMAGE = "ghcr.io/daybreak-ai/daybreak:0.1.0"  # the chart's image at appVersion: what the operator is given
 TENANT = "tenant-alice"
+TENANT_SA = f"system:serviceaccount:{POOL_NS}:tenant"  # issue 22: a tenant ServiceAccount, same Role
 
 TENANT_RBAC = f"""
 apiVersion: rbac.authorization.k8s.io/v1
@@ -39,7 +41,8 @@ apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
 metadata: {{name: kvpool-editor, namespace: {POOL_NS}}}
 roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: kvpool-editor}}
-subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: {TENANT}}}]
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: {TENANT}}},
+           {{kind: ServiceAccount, name: tenant, namespace: {POOL_NS}}}]
 """
 
 # Issue 12 finding 1, as the tenant sent it.
@@ -92,8 +95,8 @@ def installed(kube: LocalCluster, render_text: Callable[..., str]) -> Iterator[s
             kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def _as_tenant(kube: LocalCluster, *args: str, stdin: str | None = None) -> Any:
-    return kube.kubectl(f"--as={TENANT}", "-n", POOL_NS, *args, stdin=stdin, check=False)
+def _as_tenant(kube: LocalCluster, *args: str, stdin: str | None = None, who: str = TENANT) -> Any:
+    return kube.kubectl(f"--as={who}", "-n", POOL_NS, *args, stdin=stdin, check=False)
 
 
 @pytest.mark.parametrize(("name", "spec", "field"), [
@@ -106,6 +109,8 @@ def _as_tenant(kube: LocalCluster, *args: str, stdin: str | None = None) -> Any:
     ("control-plane", {"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
      "spec.tolerations"),
     ("attack", ATTACK, "spec.agent.image"),
+    ("kubelet-port", {"agent": {"port": 10250}}, "spec.agent.port"),
+    ("range-end", {"agent": {"port": 7599}}, "spec.agent.port"),
 ])
 def test_tenant_kvpool_is_refused_at_admission_naming_the_field(kube: LocalCluster, installed: str, name: str,
                                                                 spec: dict[str, Any], field: str) -> None:
@@ -143,9 +148,24 @@ def test_tenant_pddeployment_template_reaching_the_host_is_refused_at_admission(
     assert "daybreak-deployment-policy" in out.stderr and field in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("case", ESCALATIONS, ids=lambda c: c.name)
+def test_tenant_service_account_pddeployment_escalations_are_refused_at_admission(
+        kube: LocalCluster, installed: str, case: Escalation) -> None:
+    """Issue 22 finding 4: a ServiceAccount that may only create KVPools and PDDeployments gets none of
+    these engine pods; the API server refuses the PDDeployment and names the field."""
+    body = case.pdd(_pdd(f"esc-{case.name}", {}))
+    if not case.template:
+        del body["spec"]["decode"]["template"]
+    out = _as_tenant(kube, "create", "-f", "-", stdin=json.dumps(body), who=TENANT_SA)
+    assert out.returncode != 0, f"admitted: {out.stdout}"
+    assert "daybreak-deployment-policy" in out.stderr and f"{case.admission_field()}" in out.stderr, out.stderr
+    assert _as_tenant(kube, "get", "pdd", f"esc-{case.name}").returncode != 0  # nothing was stored
+
+
 def test_tenant_pddeployment_with_a_harmless_template_is_admitted(kube: LocalCluster, installed: str) -> None:
-    template = {"spec": {"tolerations": [{"operator": "Exists"}],
-                         "volumes": [{"name": "shm", "hostPath": {"path": "/dev/shm"}}],
+    template = {"spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                         "volumes": [{"name": "shm", "hostPath": {"path": "/dev/shm"}},
+                                     {"name": "cache", "emptyDir": {}}],
                          "containers": [{"name": "engine", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}]}}
     out = _as_tenant(kube, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(_pdd("fine", template)))
     assert out.returncode == 0, out.stderr
@@ -266,13 +286,14 @@ def _wait_operator_policy(kube: LocalCluster) -> None:
 def _built_pool(**spec: Any) -> pool_mod.PoolChildren:
     body = _pool("real", **spec)
     body["metadata"].update({"uid": "u", "generation": 1})
-    return pool_mod.build(KVPool.from_body(body), image=IMAGE, metrics_port=9401)
+    return pool_mod.build(KVPool.from_body(body), image=IMAGE)
 
 
 def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: LocalCluster, installed: str) -> None:
     _wait_operator_policy(kube)
     # What the operator really builds passes: a pool with every tier and rdma, and a PD deployment.
-    real = _built_pool(tiers={"dram": {"bytesPerNode": "1Gi", "hugePages": True},
+    real = _built_pool(transport={"preference": ["shm", "rdma", "tcp"]},
+                       tiers={"dram": {"bytesPerNode": "1Gi", "hugePages": True},
                               "ssd": {"path": "/var/lib/daybreak/kv", "bytesPerNode": "1Gi"}})
     ds = next(m for m in real.applied if m["kind"] == "DaemonSet")
     assert _as_operator(kube, "create", ds, namespace=POOL_NS).returncode == 0
@@ -321,6 +342,18 @@ def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: Lo
         out = _as_operator(kube, "create", manifest, namespace=POOL_NS)
         assert out.returncode != 0, f"admitted: {manifest['metadata']['name']} ({why})"
         assert "daybreak-operator-writes" in out.stderr and why in out.stderr, out.stderr
+    # Issue 22 finding 4: each engine escalation, written straight into the engine Deployment the operator
+    # builds (its own checks bypassed: a bug or a stolen token), is refused by the API server too.
+    for case in ESCALATIONS:
+        out = _as_operator(kube, "create", case.workload(engine), namespace=POOL_NS)
+        assert out.returncode != 0, f"admitted: {case.name}"
+        assert "daybreak-operator-writes" in out.stderr and case.workload_field() in out.stderr, (case.name,
+                                                                                                 out.stderr)
+    # Agents' ports: inside poolPolicy.agentPortRange (hostNetwork makes every container port a host port).
+    squat = copy.deepcopy(ds)
+    squat["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = 10250
+    out = _as_operator(kube, "create", squat, namespace=POOL_NS)
+    assert out.returncode != 0 and "poolPolicy.agentPortRange" in out.stderr, out.stderr
 
 
 def test_operator_may_list_only_agent_service_accounts_in_the_agent_binding(kube: LocalCluster,

@@ -89,6 +89,8 @@ def test_no_rendered_object_repeats_a_key(variant: str, render_text: Callable[..
     (("--set-json", 'poolPolicy.allowedAgentImages=["a,b"]'), "poolPolicy/allowedAgentImages/0"),
     (("--set-json", 'poolPolicy.allowedTolerationKeys=["bad key"]'), "poolPolicy/allowedTolerationKeys/0"),
     (("--set", "poolPolicy.admission=maybe"), "poolPolicy/admission"),
+    (("--set", "poolPolicy.agentPortRange=7400"), "poolPolicy/agentPortRange"),
+    (("--set", "poolPolicy.poolGroupRange=0-10"), "poolPolicy/poolGroupRange"),
     (("--set", "operator.watchNamespaces[0]=Team_A"), "operator/watchNamespaces/0"),
 ])
 def test_invalid_values_are_refused_naming_the_key(helm: Helm, args: tuple[str, ...], key: str) -> None:

@@ -76,7 +76,7 @@ def test_standard_labels_and_owner_reference() -> None:
 # -- KVPool children --------------------------------------------------------------------------
 def test_pool_children_and_agent_privileges() -> None:
     pool = _pool("kvpool-production.yaml")
-    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(pool, image=IMAGE)
     kinds = [m["kind"] for m in out.applied]
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "DaemonSet"]
     (ds,) = _by_kind(out.applied, "DaemonSet")
@@ -114,7 +114,7 @@ def test_pool_children_and_agent_privileges() -> None:
 
 def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
     pool = _pool(transport={"preference": ["shm", "tcp"]})
-    (ds,) = _by_kind(pool_mod.build(pool, image=IMAGE, metrics_port=9401).applied, "DaemonSet")
+    (ds,) = _by_kind(pool_mod.build(pool, image=IMAGE).applied, "DaemonSet")
     mounts = {m["mountPath"] for m in ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
     assert "/dev/infiniband" not in mounts
     assert mounts == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token", "/tmp"}
@@ -122,7 +122,7 @@ def test_pool_without_rdma_or_ssd_mounts_neither() -> None:
 
 def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
     pool = _pool("kvpool-production.yaml")
-    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(pool, image=IMAGE)
     (cm,) = _by_kind(out.applied, "ConfigMap")
     settings = AgentSettings.model_validate(yaml.safe_load(cm["data"]["agent.yaml"]))
     assert settings.dram_bytes == 256 * 2**30
@@ -134,13 +134,13 @@ def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
     (ds,) = _by_kind(out.applied, "DaemonSet")
     hash1 = ds["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION]
     changed = _pool("kvpool-production.yaml", leaseSeconds=20)
-    (ds2,) = _by_kind(pool_mod.build(changed, image=IMAGE, metrics_port=9401).applied, "DaemonSet")
+    (ds2,) = _by_kind(pool_mod.build(changed, image=IMAGE).applied, "DaemonSet")
     assert ds2["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION] != hash1
 
 
 def test_pool_with_secret_ref_generates_no_token() -> None:
     pool = _pool(auth={"secretRef": {"name": "mine"}})
-    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(pool, image=IMAGE)
     assert out.token_secret is None
     (ds,) = _by_kind(out.applied, "DaemonSet")
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
@@ -207,7 +207,7 @@ def test_pdd_children_env_and_labels() -> None:
     assert env["DAYBREAK_POOL_TOKEN"]["valueFrom"] == {"secretKeyRef": {
         "name": credential_secret_name(pdd.metadata.name or "", pdd.spec.kv_namespace()), "key": "token",
         "optional": False}}
-    assert env["DAYBREAK_TRANSPORTS"]["value"] == "shm,link,rdma,tcp"
+    assert env["DAYBREAK_TRANSPORTS"]["value"] == "shm,link,tcp"
     assert env["DAYBREAK_BLOCK_BYTES"]["value"] == str(layout.bytes_per_block)
     assert container["command"][:4] == ["daybreak", "sim-engine", "--role", "decode"]
     labels = decode["spec"]["template"]["metadata"]["labels"]
@@ -218,22 +218,23 @@ def test_pdd_children_env_and_labels() -> None:
 
 
 def test_pdd_user_env_and_template_merge_without_losing_selector_labels() -> None:
-    pdd = _pdd(engine={"kind": "sim", "env": [{"name": "DAYBREAK_ROLE", "value": "override"},
+    # (A DAYBREAK_* variable is the operator's and refused: tests/operator/test_pool_policy_units.py.)
+    pdd = _pdd(engine={"kind": "sim", "env": [{"name": "POD_NAME", "value": "override"},
                                               {"name": "EXTRA", "value": "1"}]},
                decode={"replicas": 1, "template": {
                    "metadata": {"labels": {"daybreak.dev/role": "hijack", "team": "a"}},
-                   "spec": {"tolerations": [{"operator": "Exists"}],
+                   "spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
                             "containers": [{"name": "engine", "imagePullPolicy": "Always"}]}}})
     out = pdd_mod.build(pdd, _pool(), image=IMAGE)
     decode = next(m for role, m in out.applied if role == Role.DECODE and m["kind"] == "Deployment")
     template = decode["spec"]["template"]
     assert template["metadata"]["labels"]["daybreak.dev/role"] == "decode"
     assert template["metadata"]["labels"]["team"] == "a"
-    assert template["spec"]["tolerations"] == [{"operator": "Exists"}]
+    assert template["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     (container,) = template["spec"]["containers"]
     assert container["imagePullPolicy"] == "Always" and container["command"][1] == "sim-engine"
     env = [e["name"] for e in container["env"]]
-    assert env.count("DAYBREAK_ROLE") == 1 and env[-2:] == ["DAYBREAK_ROLE", "EXTRA"]
+    assert env.count("POD_NAME") == 1 and env[-2:] == ["POD_NAME", "EXTRA"]
 
 
 def test_pdd_revision_follows_the_pod_template_not_the_replicas() -> None:

@@ -49,12 +49,12 @@ def _pdd() -> PDDeployment:
 
 
 def _daemonset(pool: KVPool) -> dict[str, Any]:
-    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(pool, image=IMAGE)
     return next(m for m in out.applied if m["kind"] == "DaemonSet")
 
 
 def _settings(pool: KVPool) -> dict[str, Any]:
-    out = pool_mod.build(pool, image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(pool, image=IMAGE)
     config = next(m for m in out.applied if m["kind"] == "ConfigMap")
     return dict(yaml.safe_load(config["data"][pool_mod.AGENT_CONFIG_FILE]))
 
@@ -101,7 +101,7 @@ def test_turning_tls_on_changes_the_config_hash_so_agents_roll() -> None:
 
 def test_tls_pool_grants_no_secret_read() -> None:
     """Pods mount the Secret; neither the agent's Role nor anything else the pool creates reads Secrets."""
-    out = pool_mod.build(_pool(tls=True), image=IMAGE, metrics_port=9401)
+    out = pool_mod.build(_pool(tls=True), image=IMAGE)
     for manifest in out.applied:
         for rule in manifest.get("rules") or []:
             if "secrets" in rule.get("resources", []):

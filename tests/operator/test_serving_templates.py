@@ -146,7 +146,7 @@ def test_the_charts_operator_role_holds_every_right_it_grants_serving_pods() -> 
 
 def test_agents_listen_on_their_own_address_so_fake_nodes_can_share_a_host() -> None:
     pool = _pool()
-    ds = next(m for m in pool_mod.build(pool, image=IMAGE, metrics_port=9464).applied if m["kind"] == "DaemonSet")
+    ds = next(m for m in pool_mod.build(pool, image=IMAGE).applied if m["kind"] == "DaemonSet")
     container = ds["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["DAYBREAK_LISTEN"]["value"] == "$(DAYBREAK_POD_IP):7400"

@@ -59,6 +59,19 @@ allowedSSDRoots: {{ join "," .Values.poolPolicy.allowedSSDRoots | quote }}
 allowedAgentImages: {{ join "," .Values.poolPolicy.allowedAgentImages | quote }}
 allowedTolerationKeys: {{ join "," .Values.poolPolicy.allowedTolerationKeys | quote }}
 agentPriorityClassName: {{ .Values.poolPolicy.agentPriorityClassName | default "" | quote }}
+agentPortRange: {{ .Values.poolPolicy.agentPortRange | default "7400-7599" | quote }}
+poolGroupRange: {{ .Values.poolPolicy.poolGroupRange | default "200000-299999" | quote }}
 deniedNamespaces: {{ join "," (.Values.poolPolicy.deniedNamespaces | default list) | quote }}
 operatorImage: {{ include "daybreak.image" . | quote }}
+{{- end -}}
+
+{{/* CEL (daybreak-deployment-policy): the roles (prefill, decode) whose partial template spec p satisfies
+the argument. */}}
+{{- define "daybreak.celRoles" -}}
+['prefill', 'decode'].filter(r, (r == 'prefill' ? variables.prefill : variables.decode).exists(p, {{ . }}))
+{{- end -}}
+
+{{/* CEL: every container of pod spec p (init and ephemeral ones too). */}}
+{{- define "daybreak.celContainers" -}}
+((has(p.containers) ? p.containers : []) + (has(p.initContainers) ? p.initContainers : []) + (has(p.ephemeralContainers) ? p.ephemeralContainers : []))
 {{- end -}}

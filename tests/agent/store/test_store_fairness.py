@@ -214,7 +214,7 @@ def test_kvpool_quotas_reach_the_agent_config() -> None:
         "spec": {"tiers": {"dram": {"bytesPerNode": "1Gi"}},
                  "quotas": {"heldFraction": 0.3, "pinnedFraction": 0.1, "maxPinSeconds": 60,
                             "maxConnectionsPerCredential": 32}}})
-    rendered = AgentSettings.model_validate(agent_settings(pool, metrics_port=9400))
+    rendered = AgentSettings.model_validate(agent_settings(pool))
     assert (rendered.namespace_held_fraction, rendered.namespace_pinned_fraction, rendered.max_pin_seconds,
             rendered.max_connections_per_credential) == (0.3, 0.1, 60, 32)
     defaults = AgentSettings()

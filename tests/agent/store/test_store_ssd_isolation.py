@@ -270,7 +270,7 @@ def test_the_operator_names_the_pools_directory_after_its_uid() -> None:
     raw = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
     raw["metadata"] |= {"namespace": "team", "uid": "0d4c-uid"}
     raw["spec"]["tiers"]["ssd"] = {"path": "/var/lib/daybreak/kv", "bytesPerNode": "1Gi"}
-    settings = AgentSettings.model_validate(agent_settings(KVPool.model_validate(raw), metrics_port=9401))
+    settings = AgentSettings.model_validate(agent_settings(KVPool.model_validate(raw)))
     assert settings.pool_uid == "0d4c-uid" and settings.ssd_path == "/var/lib/daybreak/kv"
 
 
