@@ -254,6 +254,20 @@ def parse_metrics(text: str, *, pod: str, time: float) -> PodSample:
     )
 
 
+def parse_held(text: str) -> float | None:
+    """The router's ``daybreak_router_held_requests`` gauge (summed over label sets) from its /metrics text;
+    None when the text lacks it (a router that cannot hold requests) or is not Prometheus text."""
+    total: float | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == HELD_REQUESTS and math.isfinite(s.value):
+                    total = (total or 0.0) + s.value
+    except (ValueError, TypeError, IndexError):
+        return None
+    return total
+
+
 @dataclass(frozen=True)
 class PodWindow:
     """What one pod did between two samples."""

@@ -594,3 +594,23 @@ def test_without_the_router_s_held_signal_a_role_keeps_one_pod() -> None:
                          targets=t, held=None)
         n = d.desired
     assert n == 1 and "daybreak_router_held_requests" in d.reason
+
+
+def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner() -> None:
+    from daybreak.operator.autoscaler import ready_at
+    from daybreak.operator.planner import parse_held
+
+    text = ("# TYPE daybreak_router_held_requests gauge\n"
+            "daybreak_router_held_requests{deployment=\"a\"} 2\n"
+            "daybreak_router_held_requests{deployment=\"b\"} 1\n")
+    assert parse_held(text) == 3.0
+    assert parse_held("# TYPE other gauge\nother 1\n") is None
+    assert parse_held("not prometheus {{{") is None
+    pods = [{"metadata": {"name": "p1"}, "status": {"conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-02T08:00:00Z"}]}},
+            {"metadata": {"name": "p2"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+            {"metadata": {"name": "p3"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]
+    from datetime import datetime
+
+    wall = datetime.fromisoformat("2026-12-02T08:00:30+00:00").timestamp()
+    assert ready_at(pods, now_wall=wall, now=1000.0) == {"p1": 970.0, "p3": 1000.0}
