@@ -4,7 +4,8 @@ Trace mode (``--trace FILE``, Mooncake JSONL or Azure LLM CSV, see
 ``daybreak.serving.load.trace``): requests are sent at their timestamps times
 ``--time-scale`` (0.1 replays ten times faster), every ``--sample``-th only
 (the rate divided by N, the shape kept), with the ``hash_ids`` prompt
-extension and ``max_tokens = output_length`` (both times ``--token-scale``).
+extension and ``max_tokens = output_length`` (times ``--token-scale`` and
+``--output-scale``).
 Sessions mode (``--sessions N``): see ``daybreak.serving.load.sessions``; its
 rate is constant, stepped (``--rate-steps``) or shaped (``--rate-shape``: a
 sinusoid or a ramp). Both stop sending at ``--max-requests``
@@ -51,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample", type=int, default=1, metavar="N",
                         help="trace: keep every N-th request (the rate divided by N, the shape kept)")
     parser.add_argument("--token-scale", type=float, default=1.0,
-                        help="trace: multiply each request's prompt and output tokens by this (at least 1 each)")
+                        help="trace: multiply each request's prompt tokens by this (at least 1)")
+    parser.add_argument("--output-scale", type=float, default=None,
+                        help="trace: multiply each request's output tokens by this (default: --token-scale)")
     parser.add_argument("--max-requests", type=int, default=None, help="send at most this many requests")
     parser.add_argument("--duration", type=float, default=600.0,
                         help="stop sending after this many seconds (default 600)")
@@ -118,7 +121,7 @@ async def _replay(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
     first: float | None = None
     sent = 0
     for req in read_trace(args.trace, limit=args.max_requests, every=args.sample):
-        req = scale_tokens(req, factor=args.token_scale)
+        req = scale_tokens(req, factor=args.token_scale, output_factor=args.output_scale)
         first = req.timestamp_ms if first is None else first
         at = (req.timestamp_ms - first) / 1000 * args.time_scale
         if at >= args.duration:
@@ -133,7 +136,7 @@ async def _replay(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
     if tasks:
         await asyncio.gather(*tasks)
     return {"mode": "trace", "trace": str(args.trace), "time_scale": args.time_scale, "sample": args.sample,
-            "token_scale": args.token_scale}
+            "token_scale": args.token_scale, "output_scale": args.output_scale}
 
 
 async def _sessions(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
@@ -234,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
-    if args.time_scale <= 0 or args.duration <= 0 or args.rate <= 0 or args.token_scale <= 0:
-        raise SystemExit("--time-scale, --duration, --rate and --token-scale must be positive")
+    if (args.time_scale <= 0 or args.duration <= 0 or args.rate <= 0 or args.token_scale <= 0
+            or (args.output_scale is not None and args.output_scale <= 0)):
+        raise SystemExit("--time-scale, --duration, --rate, --token-scale and --output-scale must be positive")
     if args.sample < 1:
         raise SystemExit("--sample must be at least 1")
     if args.rate_shape and args.rate_steps:

@@ -186,13 +186,16 @@ def every_nth(requests: Iterable[TraceRequest], *, every: int) -> list[TraceRequ
     return [r for i, r in enumerate(requests) if i % every == 0]
 
 
-def scale_tokens(req: TraceRequest, *, factor: float, block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRequest:
-    """The request with ``factor`` x its prompt and output tokens (at least one each); the prompt keeps its
-    leading blocks, so requests that shared a prefix still share its (shorter) start."""
-    if factor == 1.0:
+def scale_tokens(req: TraceRequest, *, factor: float, output_factor: float | None = None,
+                 block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRequest:
+    """The request with ``factor`` x its prompt and ``output_factor`` (default: ``factor``) x its output tokens,
+    at least one each; the prompt keeps its leading blocks, so requests that shared a prefix still share
+    its (shorter) start."""
+    output_factor = factor if output_factor is None else output_factor
+    if factor == 1.0 and output_factor == 1.0:
         return req
     tokens = max(1, round(req.input_length * factor))
-    output = max(1, round(req.output_length * factor))
+    output = max(1, round(req.output_length * output_factor))
     return TraceRequest(req.timestamp_ms, tokens, output, req.hash_ids[: math.ceil(tokens / block_tokens)])
 
 
