@@ -102,7 +102,8 @@ class RoleSpec(ApiModel):
     replicas: int = Field(default=1, ge=0, le=10000)
     """Pods of this role (the autoscaler changes it within minReplicas..maxReplicas)."""
     min_replicas: int | None = Field(default=None, ge=0, le=10000)
-    """Lower bound for the autoscaler; defaults to replicas."""
+    """Lower bound for the autoscaler; defaults to replicas. 0 on both roles: scale to zero with no traffic, back
+    on the first request the router holds."""
     max_replicas: int | None = Field(default=None, ge=1, le=10000)
     """Upper bound for the autoscaler; defaults to replicas."""
     resources: ResourceRequirements | None = None

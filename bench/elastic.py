@@ -400,13 +400,13 @@ def sizing(args: argparse.Namespace) -> dict[str, Any]:
     stats = trace_stats(a.trace, sample=a.sample, time_scale=a.time_scale, seconds=a.trace_seconds)
     factors = fit_token_scale(stats, ttft=a.ttft, itl=a.itl)
     work = trace_workload(stats, factor=factors[0], output_factor=factors[1])
-    peak = model_replicas(stats.busiest_30s_rate, ttft=a.ttft, itl=a.itl, **work)
+    needed = model_replicas(stats.busiest_30s_rate, ttft=a.ttft, itl=a.itl, **work)
     # The busiest 30 s may need more than the busiest minute the factors were fitted to: the deployment's
     # maxReplicas (MAX_PODS) caps fixed-peak, as it caps the planner.
     return {"token_scale": factors, "trace": dataclasses.asdict(stats),
             "mean_rate": stats.mean_rate, "peak_rate": stats.busiest_30s_rate,
-            "fixed_peak_model": peak,
-            "fixed_peak_replicas": (min(peak[0], MAX_PODS), min(peak[1], MAX_PODS)),
+            "fixed_peak_model": needed,
+            "fixed_peak_replicas": (min(needed[0], MAX_PODS), min(needed[1], MAX_PODS)),
             "fixed_avg_replicas": model_replicas(stats.mean_rate, ttft=a.ttft, itl=a.itl, **work)}
 
 
