@@ -35,6 +35,13 @@ class Role(StrEnum):
     ROUTER = "router"
 
 
+class PlannerPolicy(StrEnum):
+    """How the planner turns its model's estimate into replicas (``daybreak.operator.planner.POLICIES``)."""
+
+    REACTIVE = "reactive"
+    PREDICTIVE = "predictive"
+
+
 class CachePolicy(StrEnum):
     PRESERVE = "preserve"
     FLUSH = "flush"
@@ -95,7 +102,8 @@ class RoleSpec(ApiModel):
     replicas: int = Field(default=1, ge=0, le=10000)
     """Pods of this role (the autoscaler changes it within minReplicas..maxReplicas)."""
     min_replicas: int | None = Field(default=None, ge=0, le=10000)
-    """Lower bound for the autoscaler; defaults to replicas."""
+    """Lower bound for the autoscaler; defaults to replicas. 0 on both roles: scale to zero with no traffic, back
+    on the first request the router holds."""
     max_replicas: int | None = Field(default=None, ge=1, le=10000)
     """Upper bound for the autoscaler; defaults to replicas."""
     resources: ResourceRequirements | None = None
@@ -161,6 +169,10 @@ class AutoscalingSpec(ApiModel):
     """Most replicas one decision removes from a role (slow scale-down)."""
     tolerance: float = Field(default=0.1, ge=0, le=1)
     """Relative dead band around the current replicas in which the estimate changes nothing (no flapping)."""
+    policy: PlannerPolicy = PlannerPolicy.REACTIVE
+    """reactive sizes for the demand seen now; predictive for the demand forecast one start-up time ahead
+    (Holt's trend on the demand; the start-up time is learned from the pods the planner started) and keeps
+    pods the forecast wants within the next start-up time plus the scale-down window."""
 
 
 class UpdateStrategy(ApiModel):
@@ -185,8 +197,30 @@ class UpdateStrategy(ApiModel):
     flush deletes them once the rollout completes."""
 
 
+def _to_zero(role: RoleSpec) -> bool:
+    return role.min_replicas == 0
+
+
 class PDDeploymentSpec(ApiModel):
     """Desired state of a prefill/decode deployment."""
+
+    __cel_rules__ = (
+        # Scale to zero is for both roles together (a decode pool at zero behind a live prefill, or the other
+        # way, serves nothing), and only behind the router, which holds requests while the first pods start.
+        CelRule(
+            rule="(has(self.prefill.minReplicas) && self.prefill.minReplicas == 0) =="
+                 " (has(self.decode.minReplicas) && self.decode.minReplicas == 0)",
+            message="minReplicas 0 (scale to zero) must be set on both prefill and decode",
+            check=lambda s: _to_zero(s.prefill) == _to_zero(s.decode),
+            field_path=".decode.minReplicas",
+        ),
+        CelRule(
+            rule="!(has(self.prefill.minReplicas) && self.prefill.minReplicas == 0) || self.router.enabled",
+            message="minReplicas 0 (scale to zero) needs router.enabled: the router holds requests while pods start",
+            check=lambda s: not _to_zero(s.prefill) or s.router.enabled,
+            field_path=".router.enabled",
+        ),
+    )
 
     pool_ref: LocalObjectReference
     """KVPool (same namespace) holding this deployment's KV cache."""

@@ -1,4 +1,20 @@
-"""Elastic: a 1x -> 4x -> 1x load step against the SLA planner, fixed average-sized and fixed peak-sized replicas.
+"""Elastic: a load shape or a real trace against the SLA planner, fixed average-sized and fixed peak-sized replicas.
+
+The load is one of: the 1x -> 4x -> 1x step (default), a sinusoid between 1x
+and the peak factor (``--shape sine``, period ``--period-seconds``), a ramp
+from 1x to the peak over the base and peak phases (``--shape ramp``), or a
+trace (``--trace traces/azure_llm_code_2023.csv`` or
+``traces/synthetic_trace.jsonl``, with ``--sample N`` and ``--time-scale X``).
+For a trace the bench scales every request's prompt and output tokens by one
+factor so that the trace's busiest minute needs at most four pods per role
+under this cost model (``fit_token_scale``), prints the factors, and sizes
+``fixed-peak`` for the busiest 30 s and ``fixed-avg`` for the mean rate.
+(Two factors: prompt tokens for prefill, then output tokens for decode.)
+Prompt tokens of a trace are all counted as uncached for that sizing (the
+Azure trace has no prefix ids at all; Mooncake's reuse only lowers the work).
+``--startup-seconds 1,30,120`` runs every configuration once per engine
+start-up delay (``daybreak sim-engine --startup-seconds``), and the
+``predictive`` configuration runs the planner with ``policy: predictive``.
 
 One local cluster (real control plane, kwok nodes, the process kubelet
 running agents, sim engines and routers as real processes) and one operator;
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -56,7 +73,10 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "bench-elastic"
-CONFIGS = ("planner", "fixed-avg", "fixed-peak")
+CONFIGS = ("planner", "predictive", "fixed-avg", "fixed-peak")
+DEFAULT_CONFIGS = ("planner", "fixed-avg", "fixed-peak")
+SHAPES = ("step", "sine", "ramp")
+MAX_PODS = 4  # per role: the most this machine runs (the deployments' maxReplicas)
 # The e2e test's slowed-down cost model: one pod per role serves the base rate within the targets, the 4x
 # step needs two of each, so scaling shows on 2 cores. The same numbers size the fixed baselines (below).
 TIME_SCALE = 2.0
@@ -90,7 +110,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=3.0, help="planner interval, seconds")
     parser.add_argument("--up-window", type=float, default=3.0, help="scale-up stabilisation, seconds")
     parser.add_argument("--down-window", type=float, default=20.0, help="scale-down stabilisation, seconds")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    parser.add_argument("--shape", choices=SHAPES, default="step",
+                        help="load shape for sessions: the 1x/peak/1x step, a sine between 1x and the peak "
+                             "(starting low), or a ramp from 1x to the peak over the base and peak phases")
+    parser.add_argument("--period-seconds", type=float, default=80.0, help="sine: the period")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="replay a trace instead of sessions: Mooncake JSONL or Azure LLM CSV "
+                             "(e.g. traces/azure_llm_code_2023.csv)")
+    parser.add_argument("--sample", type=int, default=1, metavar="N",
+                        help="trace: keep every N-th request (the rate divided by N, the shape kept)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="trace: multiply arrival times by this (0.1 replays ten times faster)")
+    parser.add_argument("--trace-seconds", type=float, default=None,
+                        help="trace: replay only this many seconds (after --time-scale)")
+    parser.add_argument("--startup-seconds", default="0",
+                        help="engine start-up delay (model loading), seconds; a comma list runs every "
+                             "configuration once per value, e.g. 1,30,120")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="comma-separated subset of " + ",".join(CONFIGS)
+                             + " (predictive: the planner with autoscaling.policy predictive)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the cluster directory (logs) afterwards")
 
@@ -147,35 +185,167 @@ def reaction(samples: Sequence[tuple[float, int]], *, step: float) -> float | No
     return next((at - step for at, n in samples if at > step and n > level), None)
 
 
-def model_replicas(rate: float, *, ttft: float, itl: float) -> tuple[int, int]:
-    """(prefill, decode) pods for ``rate`` requests/s from the sim's cost model and the planner's own sizing.
+def model_pods(rate: float, *, ttft: float, itl: float, uncached: float = UNCACHED_TOKENS,
+               output: float = OUTPUT_TOKENS, cached: float = SYSTEM_TOKENS,
+               context: float = SYSTEM_TOKENS + TURNS * (USER_TOKENS + OUTPUT_TOKENS) // 2) -> tuple[float, float]:
+    """(prefill, decode) pods, unrounded, for ``rate`` requests/s of ``uncached`` prompt tokens computed (after
+    ``cached`` found in the pool), ``output`` tokens each and a sequence's mean ``context`` while decoding.
 
-    The fixed baselines are sized with what the planner would conclude if it knew the cost model exactly:
-    prefill S = uncached tokens x per-token cost, pods = rate x S / (1 - S / TTFT target); decode ITL =
-    a + c x batch from the cost model's step time, pods = tokens/s x ITL target / largest batch in target.
-    Rounded up, at least one.
+    The planner's own formulas fed with the sim cost model's true numbers: prefill S = the cost model's
+    prefill time, pods = rate x S / (1 - S / TTFT target); decode ITL = a + c x batch from the cost model's
+    step time, pods = tokens/s x ITL target / largest batch in target.
     """
     from daybreak.operator.planner import decode_pods, prefill_pods
     from daybreak.serving.sim.costmodel import CostModel
 
     cost = CostModel(time_scale=TIME_SCALE, prefill_per_token_seconds=PREFILL_PER_TOKEN_SECONDS,
                      decode_per_sequence_seconds=DECODE_PER_SEQUENCE_SECONDS)
-    service = cost.prefill_seconds(UNCACHED_TOKENS, context=SYSTEM_TOKENS)
-    prefill, _, _ = prefill_pods(rate=rate, uncached=UNCACHED_TOKENS, throughput=UNCACHED_TOKENS / service,
-                                 target=ttft)
-    context = SYSTEM_TOKENS + TURNS * (USER_TOKENS + OUTPUT_TOKENS) // 2  # a sequence's mean context
-    one = cost.decode_seconds(batch=1, context_tokens=context)
-    slope = cost.decode_seconds(batch=2, context_tokens=2 * context) - one
-    decode, _ = decode_pods(tokens=rate * OUTPUT_TOKENS, queued=0.0, a=one - slope, c=slope, target=itl,
+    uncached = max(1.0, uncached)
+    service = cost.prefill_seconds(round(uncached), context=round(cached))
+    prefill, _, _ = prefill_pods(rate=rate, uncached=uncached, throughput=uncached / service, target=ttft)
+    one = cost.decode_seconds(batch=1, context_tokens=round(context))
+    slope = cost.decode_seconds(batch=2, context_tokens=round(2 * context)) - one
+    decode, _ = decode_pods(tokens=rate * output, queued=0.0, a=one - slope, c=slope, target=itl,
                             max_batch=MAX_BATCH)
+    return prefill, decode
+
+
+def model_replicas(rate: float, *, ttft: float, itl: float, **workload: float) -> tuple[int, int]:
+    """(prefill, decode) pods for ``rate`` requests/s (``model_pods``), rounded up, at least one each.
+
+    The fixed baselines are sized with what the planner would conclude if it knew the cost model exactly.
+    """
+    prefill, decode = model_pods(rate, ttft=ttft, itl=itl, **workload)
     return max(1, math.ceil(prefill - 1e-9)), max(1, math.ceil(decode - 1e-9))
+
+
+@dataclass(frozen=True)
+class TraceStats:
+    """What sizing needs from a trace, after --sample and --time-scale: rates per second and mean tokens."""
+
+    requests: int
+    span_s: float
+    mean_rate: float
+    busiest_minute_rate: float
+    busiest_30s_rate: float
+    mean_input: float
+    mean_output: float
+
+
+def trace_stats(path: Path, *, sample: int, time_scale: float, seconds: float | None = None) -> TraceStats:
+    """Read the trace (every ``sample``-th request, times x ``time_scale``, the first ``seconds`` only)."""
+    from daybreak.serving.load.trace import busiest_rate, read_trace
+
+    times: list[float] = []
+    inputs = outputs = 0
+    first: float | None = None
+    for req in read_trace(path, every=sample):
+        first = req.timestamp_ms if first is None else first
+        at = (req.timestamp_ms - first) / 1000 * time_scale
+        if seconds is not None and at >= seconds:
+            break
+        times.append(at)
+        inputs += req.input_length
+        outputs += req.output_length
+    if not times:
+        raise SystemExit(f"--trace {path}: no requests (after --sample {sample})")
+    n = len(times)
+    span = max(times[-1] - times[0], 1.0)
+    return TraceStats(requests=n, span_s=span, mean_rate=n / span,
+                      busiest_minute_rate=busiest_rate(times, window_s=min(60.0, span)),
+                      busiest_30s_rate=busiest_rate(times, window_s=min(30.0, span)),
+                      mean_input=inputs / n, mean_output=outputs / n)
+
+
+def trace_workload(stats: TraceStats, *, factor: float, output_factor: float | None = None) -> dict[str, float]:
+    """``model_pods``' workload for a trace whose prompt tokens are scaled by ``factor`` and output tokens by
+    ``output_factor`` (default the same): every prompt token counted as computed."""
+    prompt = max(1.0, stats.mean_input * factor)
+    output = max(1.0, stats.mean_output * (factor if output_factor is None else output_factor))
+    return {"uncached": prompt, "output": output, "cached": 0.0, "context": prompt + output / 2}
+
+
+def _largest(fits: Callable[[float], bool], *, floor: float) -> float | None:
+    """The largest factor in [floor, 1] for which ``fits`` holds (it holds below any factor it holds at)."""
+    if fits(1.0):
+        return 1.0
+    if not fits(floor):
+        return None
+    low, high = floor, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def fit_token_scale(stats: TraceStats, *, ttft: float, itl: float, max_pods: int = MAX_PODS) -> tuple[float, float]:
+    """(prompt factor, output factor), each the largest in (0, 1] with which the trace's busiest minute needs at
+    most ``max_pods`` pods of its role (``model_pods``): prefill's from the prompt tokens, then decode's from
+    the output tokens (with the scaled prompts as context). Raises SystemExit when one token does not fit."""
+    rate = stats.busiest_minute_rate
+
+    def pods(factor: float, output_factor: float) -> tuple[float, float]:
+        return model_pods(rate, ttft=ttft, itl=itl,
+                          **trace_workload(stats, factor=factor, output_factor=output_factor))
+
+    prompt = _largest(lambda f: pods(f, 1.0)[0] <= max_pods, floor=1.0 / max(stats.mean_input, 1.0))
+    output = None if prompt is None else _largest(lambda f: pods(prompt, f)[1] <= max_pods,
+                                                  floor=1.0 / max(stats.mean_output, 1.0))
+    if prompt is None or output is None:
+        raise SystemExit(f"--trace: {rate:.2f} requests/s in the busiest minute need more than {max_pods} pods per "
+                         f"role even at one token each: raise --sample or --time-scale")
+    return prompt, output
+
+
+def shape_spec(shape: str, *, base_seconds: float, peak_seconds: float, after_seconds: float, peak_factor: float,
+               period_seconds: float) -> str:
+    """``daybreak load``'s --rate-steps / --rate-shape value for a bench shape (multiples of --base-rate)."""
+    if shape == "step":
+        return f"1x:{base_seconds:g}s,{peak_factor:g}x:{peak_seconds:g}s,1x:{after_seconds:g}s"
+    if shape == "sine":
+        return f"sine:1x:{peak_factor:g}x:{period_seconds:g}s"
+    if shape == "ramp":
+        return f"ramp:1x:{peak_factor:g}x:{base_seconds + peak_seconds:g}s"
+    raise ValueError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+
+
+def shape_rates(args: argparse.Namespace) -> tuple[float, float]:
+    """(mean, peak) requests/s of the session load's shape over the whole run (the fixed sizings' inputs)."""
+    from daybreak.serving.load.trace import parse_shape
+
+    a = args
+    total = a.base_seconds + a.peak_seconds + a.after_seconds
+    peak = a.base_rate * a.peak_factor
+    if a.shape == "step":
+        return a.base_rate * (a.base_seconds + a.peak_factor * a.peak_seconds + a.after_seconds) / total, peak
+    shape = parse_shape(shape_spec(a.shape, base_seconds=a.base_seconds, peak_seconds=a.peak_seconds,
+                                   after_seconds=a.after_seconds, peak_factor=a.peak_factor,
+                                   period_seconds=a.period_seconds), base_rate=a.base_rate)
+    steps = 1000
+    return sum(shape.rate_at(total * (i + 0.5) / steps) for i in range(steps)) / steps, peak
+
+
+def startup_values(spec: str) -> list[float]:
+    """``--startup-seconds 1,30,120`` -> [1.0, 30.0, 120.0]; each in 0..3600."""
+    try:
+        values = [float(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--startup-seconds {spec!r}: give seconds, e.g. 1,30,120") from None
+    if not values or any(not 0 <= v <= 3600 for v in values):
+        raise SystemExit(f"--startup-seconds {spec!r}: give one or more values in 0..3600")
+    return values
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any]) -> dict[str, Any]:
-    """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test."""
+def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
+                 startup_seconds: float = 0.0) -> dict[str, Any]:
+    """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
+
+    ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``).
+    """
+    args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
         "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
         "spec": {
@@ -184,7 +354,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
             "model": {"name": "sim-model", "revision": "r1",
                       "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
                                    "blockTokens": 16}},
-            "engine": {"kind": "sim", "args": ENGINE_ARGS},
+            "engine": {"kind": "sim", "args": args},
             "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
             "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
             "autoscaling": autoscaling,
@@ -199,6 +369,48 @@ class Sample:
     decode_ready: int
 
 
+def load_argv(args: argparse.Namespace, *, token_scale: tuple[float, float]) -> list[str]:
+    """``daybreak load`` arguments (less --url) for the bench's load: the trace, or sessions in the shape."""
+    a = args
+    common = ["--seed", "7", "--request-timeout", "120", "--quiet"]
+    if a.trace is not None:
+        argv = ["--trace", str(a.trace), "--sample", str(a.sample), "--time-scale", f"{a.time_scale:g}",
+                "--token-scale", f"{token_scale[0]:.6g}", "--output-scale", f"{token_scale[1]:.6g}", *common]
+        if a.trace_seconds is not None:
+            argv += ["--duration", f"{a.trace_seconds:g}"]
+        else:
+            argv += ["--duration", "1e9"]  # the whole trace
+        return argv
+    total = a.base_seconds + a.peak_seconds + a.after_seconds
+    mean, _ = shape_rates(a)
+    spec = shape_spec(a.shape, base_seconds=a.base_seconds, peak_seconds=a.peak_seconds,
+                      after_seconds=a.after_seconds, peak_factor=a.peak_factor, period_seconds=a.period_seconds)
+    return ["--sessions", str(int(mean * total) + 20), "--rate", str(a.base_rate),
+            "--rate-steps" if a.shape == "step" else "--rate-shape", spec, "--duration", str(total),
+            *common, *LOAD_ARGS]
+
+
+def sizing(args: argparse.Namespace) -> dict[str, Any]:
+    """The fixed configurations' replicas (and, for a trace, the token factor and its statistics)."""
+    a = args
+    if a.trace is None:
+        mean, peak = shape_rates(a)
+        return {"token_scale": (1.0, 1.0), "mean_rate": mean, "peak_rate": peak,
+                "fixed_peak_replicas": model_replicas(peak, ttft=a.ttft, itl=a.itl),
+                "fixed_avg_replicas": model_replicas(mean, ttft=a.ttft, itl=a.itl)}
+    stats = trace_stats(a.trace, sample=a.sample, time_scale=a.time_scale, seconds=a.trace_seconds)
+    factors = fit_token_scale(stats, ttft=a.ttft, itl=a.itl)
+    work = trace_workload(stats, factor=factors[0], output_factor=factors[1])
+    needed = model_replicas(stats.busiest_30s_rate, ttft=a.ttft, itl=a.itl, **work)
+    # The busiest 30 s may need more than the busiest minute the factors were fitted to: the deployment's
+    # maxReplicas (MAX_PODS) caps fixed-peak, as it caps the planner.
+    return {"token_scale": factors, "trace": dataclasses.asdict(stats),
+            "mean_rate": stats.mean_rate, "peak_rate": stats.busiest_30s_rate,
+            "fixed_peak_model": needed,
+            "fixed_peak_replicas": (min(needed[0], MAX_PODS), min(needed[1], MAX_PODS)),
+            "fixed_avg_replicas": model_replicas(stats.mean_rate, ttft=a.ttft, itl=a.itl, **work)}
+
+
 @dataclass
 class Bench:
     """One cluster, one operator; ``run_config`` deploys, loads, measures and removes one PDDeployment."""
@@ -207,7 +419,13 @@ class Bench:
     cluster: Any
     api: httpx.Client
     workdir: Path
+    sizing: dict[str, Any]
     samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def token_scale(self) -> tuple[float, float]:
+        prompt, output = self.sizing["token_scale"]
+        return float(prompt), float(output)
 
     def get(self, path: str) -> dict[str, Any]:
         resp = self.api.get(path)
@@ -247,41 +465,38 @@ class Bench:
                 pass
             stop.wait(1.0)
 
-    def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int]) -> None:
+    def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int], policy: str,
+               startup_seconds: float) -> None:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
-            name, replicas=replicas, autoscaling={
+            name, replicas=replicas, startup_seconds=startup_seconds, autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
-                "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window})))
+                "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
+                "policy": policy})))
 
     def load(self, url: str, records: list[RequestRecord]) -> dict[str, Any]:
         from daybreak.serving.load import add_arguments as load_arguments
         from daybreak.serving.load import run_load
 
-        a = self.args
-        total = a.base_seconds + a.peak_seconds + a.after_seconds
-        expected = a.base_rate * (a.base_seconds + a.peak_factor * a.peak_seconds + a.after_seconds)
         parser = argparse.ArgumentParser()
         load_arguments(parser)
-        ns = parser.parse_args([
-            "--url", url, "--sessions", str(int(expected) + 20), "--rate", str(a.base_rate),
-            "--rate-steps", f"1x:{a.base_seconds}s,{a.peak_factor}x:{a.peak_seconds}s,1x:{a.after_seconds}s",
-            "--duration", str(total), "--seed", "7", "--request-timeout", "120", "--quiet", *LOAD_ARGS])
+        ns = parser.parse_args(["--url", url, *load_argv(self.args, token_scale=self.token_scale)])
         return asyncio.run(run_load(ns, records=records))
 
-    def run_config(self, config: str) -> dict[str, Any]:
+    def run_config(self, config: str, *, startup_seconds: float) -> dict[str, Any]:
         a = self.args
         name = f"el-{config}"
-        mean = a.base_rate * (a.base_seconds + a.peak_factor * a.peak_seconds + a.after_seconds) / (
-            a.base_seconds + a.peak_seconds + a.after_seconds)
-        replicas = {"planner": (1, 1), "fixed-peak": model_replicas(a.base_rate * a.peak_factor, ttft=a.ttft, itl=a.itl),
-                    "fixed-avg": model_replicas(mean, ttft=a.ttft, itl=a.itl)}[config]
-        print(f"[{config}] deploying {replicas[0]} prefill + {replicas[1]} decode "
-              f"(autoscaling {'on' if config == 'planner' else 'off'})", flush=True)
-        self.deploy(name, autoscale=config == "planner", replicas=replicas)
+        autoscale = config in ("planner", "predictive")
+        replicas = {"planner": (1, 1), "predictive": (1, 1), "fixed-peak": self.sizing["fixed_peak_replicas"],
+                    "fixed-avg": self.sizing["fixed_avg_replicas"]}[config]
+        print(f"[{config} start-up {startup_seconds:g}s] deploying {replicas[0]} prefill + {replicas[1]} decode "
+              f"(autoscaling {'on, policy ' + ('predictive' if config == 'predictive' else 'reactive') if autoscale else 'off'})",
+              flush=True)
+        self.deploy(name, autoscale=autoscale, replicas=replicas,
+                    policy="predictive" if config == "predictive" else "reactive", startup_seconds=startup_seconds)
         url = self.wait(f"{name}: router and {replicas} engines ready", lambda: all(
             self.ready(name, r) >= n for r, n in zip(("prefill", "decode"), replicas, strict=True))
-            and self.router_url(name))
+            and self.router_url(name), timeout=240.0 + startup_seconds)
         self.samples = []
         stop = threading.Event()
         sampler = threading.Thread(target=self.sample, args=(name, stop), daemon=True)
@@ -293,14 +508,15 @@ class Bench:
         end = time.monotonic()
         stop.set()
         sampler.join(timeout=5)
-        step_up = start + a.base_seconds
+        # The step's reaction is timed from the step; a shape's or a trace's from the start of the load.
+        step_up = start + (a.base_seconds if a.trace is None and a.shape == "step" else 0.0)
         prefill = [(s.t, s.prefill_ready) for s in self.samples]
         decode = [(s.t, s.decode_ready) for s in self.samples]
         events = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name={name},"
                           "reason=Autoscaled")["items"]
         pdd = self.get(f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/{name}")
         result = {
-            "config": config, "replicas_at_start": list(replicas),
+            "config": config, "startup_seconds": startup_seconds, "replicas_at_start": list(replicas),
             "requests": len(records), "failed_requests": sum(1 for r in records if not r.ok),
             "slo": slo_share(records, ttft=a.ttft, itl=a.itl),
             "pod_seconds": pod_seconds([(t, p + d) for (t, p), (_, d) in zip(prefill, decode, strict=True)],
@@ -343,22 +559,34 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The planner against each fixed sizing: SLO attainment (both targets) and pod-seconds."""
+    """Each planner configuration against each fixed sizing at the same start-up delay: SLO attainment (both
+    targets) and pod-seconds. Keys are ``config`` or ``config@Ss`` (one group per start-up delay)."""
     out: dict[str, Any] = {}
-    p = results.get("planner")
-    for other in ("fixed-peak", "fixed-avg"):
-        o = results.get(other)
-        if not p or not o:
-            continue
-        out[f"planner_vs_{other}"] = {
-            "slo_both": (p["slo"]["both"] / o["slo"]["both"]) if o["slo"]["both"] else None,
-            "pod_seconds": p["pod_seconds"] / o["pod_seconds"] if o["pod_seconds"] else None,
-        }
-    peak = results.get("fixed-peak")
-    if p and peak:
-        out["target_met"] = bool(p["slo"]["both"] is not None and peak["slo"]["both"] is not None
-                                 and p["slo"]["both"] >= peak["slo"]["both"]
-                                 and p["pod_seconds"] <= 0.7 * peak["pod_seconds"] and p["failed_requests"] == 0)
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, r in results.items():
+        config, _, suffix = key.partition("@")
+        groups.setdefault(suffix, {})[config] = r
+    for suffix, group in groups.items():
+        tag = f"@{suffix}" if suffix else ""
+        peak = group.get("fixed-peak")
+        for planner in ("planner", "predictive"):
+            p = group.get(planner)
+            if not p:
+                continue
+            for other in ("fixed-peak", "fixed-avg"):
+                o = group.get(other)
+                if not o:
+                    continue
+                out[f"{planner}_vs_{other}{tag}"] = {
+                    "slo_both": (p["slo"]["both"] / o["slo"]["both"]) if o["slo"]["both"] else None,
+                    "pod_seconds": p["pod_seconds"] / o["pod_seconds"] if o["pod_seconds"] else None,
+                }
+            if peak:
+                name = "target_met" if planner == "planner" else f"{planner}_target_met"
+                out[name + tag] = bool(p["slo"]["both"] is not None and peak["slo"]["both"] is not None
+                                       and p["slo"]["both"] >= peak["slo"]["both"]
+                                       and p["pod_seconds"] <= 0.7 * peak["pod_seconds"]
+                                       and p["failed_requests"] == 0)
     return out
 
 
@@ -383,16 +611,23 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     began = time.monotonic()
+    startups = startup_values(args.startup_seconds)
+    if args.sample < 1 or args.time_scale <= 0:
+        raise SystemExit("--sample must be at least 1 and --time-scale positive")
     settings: dict[str, Any] = {k: getattr(args, k) for k in (
         "base_rate", "base_seconds", "peak_seconds", "after_seconds", "peak_factor", "ttft", "itl", "interval",
-        "up_window", "down_window")}
-    peak_rate = args.base_rate * args.peak_factor
-    spans = (args.base_seconds, args.peak_seconds, args.after_seconds)
-    mean_rate = args.base_rate * (spans[0] + args.peak_factor * spans[1] + spans[2]) / sum(spans)
-    settings["fixed_peak_replicas"] = model_replicas(peak_rate, ttft=args.ttft, itl=args.itl)
-    settings["fixed_avg_replicas"] = model_replicas(mean_rate, ttft=args.ttft, itl=args.itl)
-    print(f"bench elastic: {json.dumps(settings)}; engine args {' '.join(ENGINE_ARGS)}; load {' '.join(LOAD_ARGS)}",
-          flush=True)
+        "up_window", "down_window", "shape", "period_seconds", "sample", "time_scale", "trace_seconds")}
+    settings["trace"] = str(args.trace) if args.trace else None
+    settings["startup_seconds"] = startups
+    sized = sizing(args)
+    settings.update(sized)
+    if args.trace is not None:
+        prompt, output = sized["token_scale"]
+        print(f"bench elastic: trace prompt tokens scaled by {prompt:.4g} and output tokens by {output:.4g} so that "
+              f"its busiest minute ({sized['trace']['busiest_minute_rate']:.3g} req/s) needs at most {MAX_PODS} pods "
+              "per role", flush=True)
+    print(f"bench elastic: {json.dumps(settings)}; engine args {' '.join(ENGINE_ARGS)}; "
+          f"load {' '.join(load_argv(args, token_scale=sized['token_scale']))}", flush=True)
     cluster = LocalCluster(workdir / "cluster", ClusterSpec(nodes=2, devices_per_node=8, process_kubelet=True),
                            progress=lambda m: print(f"  cluster: {m}", flush=True))
     results: dict[str, dict[str, Any]] = {}
@@ -409,9 +644,11 @@ def run(args: argparse.Namespace) -> int:
             "spec": {"nodeSelector": {"daybreak.dev/accelerator": "sunrise"},
                      "tiers": {"dram": {"bytesPerNode": "256Mi"}}, "transport": {"preference": ["tcp"]}}}))
         with cluster.api() as api:
-            bench = Bench(args, cluster, api, workdir)
-            for config in configs:
-                results[config] = bench.run_config(config)
+            bench = Bench(args, cluster, api, workdir, sized)
+            for startup in startups:
+                for config in configs:
+                    key = config if len(startups) == 1 else f"{config}@{startup:g}s"
+                    results[key] = bench.run_config(config, startup_seconds=startup)
     finally:
         if op is not None:
             op.stop()

@@ -9,6 +9,12 @@ Deployment apply happen in one reconcile of that object and never race
 another worker. It knows no reconciler and no controller. Every write checks
 the leader fence first.
 
+It also picks each deployment's planner policy (``autoscaling.policy``),
+feeds the planner when each pod became Ready (for the start-up time it
+learns), and, where a role may go to zero (``minReplicas: 0``), reads the
+router pods' ``daybreak_router_held_requests`` gauge (their /metrics on the
+engine port): the requests waiting for engines that bring the roles back.
+
 ORDER ON SCALE-IN: the deletion costs are written before the lower replica
 count is handed over, so the ReplicaSet controller already knows which pod
 is the cheapest to lose when it picks the victim.
@@ -20,7 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
 from typing import Any, Protocol
 
 import aiohttp
@@ -30,8 +37,15 @@ from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator.kube import POD, KubeClient, KubeError, Manifest
-from daybreak.operator.metrics_scrape import pod_is_live, scrape, scrape_target
-from daybreak.operator.planner import Decision, RolePlanner, Targets, deletion_costs
+from daybreak.operator.metrics_scrape import Target, pod_is_live, scrape, scrape_target
+from daybreak.operator.planner import (
+    Decision,
+    RolePlanner,
+    Targets,
+    deletion_costs,
+    parse_held,
+    policy_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +61,29 @@ def targets_of(pdd: PDDeployment) -> Targets:
                    scale_down_stabilization_seconds=float(a.scale_down_stabilization_seconds),
                    max_scale_up_step=a.max_scale_up_step, max_scale_down_step=a.max_scale_down_step,
                    tolerance=a.tolerance)
+
+
+def ready_at(pods: Iterable[Manifest], *, now_wall: float, now: float) -> dict[str, float]:
+    """Each Ready pod and when it became Ready, moved onto the planner's monotonic clock ``now``.
+
+    The Ready condition's lastTransitionTime is the API's wall clock (whole seconds): its age at
+    ``now_wall`` is subtracted from ``now``. A Ready pod without the time counts as Ready now.
+    """
+    out: dict[str, float] = {}
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") != "Ready" or cond.get("status") != "True":
+                continue
+            at = now
+            stamp = cond.get("lastTransitionTime")
+            if stamp:
+                try:
+                    age = now_wall - datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+                    at = now - max(0.0, age)
+                except ValueError:
+                    pass
+            out[str(pod["metadata"]["name"])] = at
+    return out
 
 
 class SubmitScale(Protocol):
@@ -121,12 +158,18 @@ class Autoscaler:
         timeout = min(MAX_SCRAPE_TIMEOUT, targets.interval_seconds / 2)
         assert self._session is not None
         decisions = []
+        # Only where a role may go to zero: the router's held requests are what bring it back.
+        held = (await self._held_requests(ns, pdd, deadline_seconds=timeout)
+                if any(getattr(pdd.spec, r.value).bounds[0] == 0 for r in pdd_mod.ENGINE_ROLES) else None)
+        prefill_left = 0  # prefill pods that exist, terminating ones included (decode goes to zero after them)
         arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
         prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
         for role in pdd_mod.ENGINE_ROLES:  # prefill first
             selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
-            pods = [p for p in await self.client.list(POD, namespace=ns, label_selector=selector)
-                    if pod_is_live(p)]
+            every = await self.client.list(POD, namespace=ns, label_selector=selector)
+            pods = [p for p in every if pod_is_live(p)]
+            if role is Role.PREFILL:
+                prefill_left = len(every)
             names = [str(p["metadata"]["name"]) for p in pods]
             wanted = [t for p in pods if (t := scrape_target(p, port=pdd_mod.ENGINE_PORT)) is not None]
             samples = await scrape(self._session, wanted, deadline_seconds=timeout)
@@ -134,11 +177,16 @@ class Autoscaler:
             if failed:
                 metrics.PLANNER_SCRAPE_FAILURES.labels(namespace=ns, deployment=name, role=role.value).inc(failed)
             planner = self.planners.setdefault((ns, name, role.value), RolePlanner(role.value))
+            if planner.policy.name != pdd.spec.autoscaling.policy.value:
+                planner.policy = policy_for(pdd.spec.autoscaling.policy.value)  # changed in the spec: keep learning
             current = pdd_mod.role_replicas(pdd, role)
-            decision = planner.step(now=time.monotonic(), pods=names, samples=samples, current=current,
+            now = time.monotonic()
+            decision = planner.step(now=now, pods=names, samples=samples, current=current,
                                     bounds=getattr(pdd.spec, role.value).bounds, targets=targets,
                                     arrivals=arrivals if role is Role.DECODE else None,
-                                    prefilling=prefilling if role is Role.DECODE else 0.0)
+                                    prefilling=prefilling if role is Role.DECODE else 0.0,
+                                    ready_at=ready_at(pods, now_wall=time.time(), now=now), held=held,
+                                    prefill_left=prefill_left if role is Role.DECODE else 0)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
                 prefilling = decision.numbers.get("in_flight_now", 0.0)
@@ -152,6 +200,28 @@ class Autoscaler:
         if decisions:
             self.submit_scale(namespace=ns, name=name, decisions=decisions)
         return decisions
+
+    async def _held_requests(self, ns: str, pdd: PDDeployment, *, deadline_seconds: float) -> float | None:
+        """Requests the deployment's routers hold for lack of engines (summed); None when no router reports it."""
+        if not pdd.spec.router.enabled:
+            return None
+        selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, Role.ROUTER).items())
+        routers = [p for p in await self.client.list(POD, namespace=ns, label_selector=selector) if pod_is_live(p)]
+        wanted = [t for p in routers if (t := scrape_target(p, port=pdd_mod.ENGINE_PORT)) is not None]
+        found = await asyncio.gather(*(self._held_one(t, deadline_seconds=deadline_seconds) for t in wanted))
+        values = [v for v in found if v is not None]
+        return sum(values) if values else None
+
+    async def _held_one(self, target: Target, *, deadline_seconds: float) -> float | None:
+        assert self._session is not None
+        try:
+            async with self._session.get(target.url, timeout=aiohttp.ClientTimeout(total=deadline_seconds)) as resp:
+                if resp.status != 200:
+                    return None
+                text = (await resp.content.read(1 << 20)).decode("utf-8", errors="replace")
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+        return parse_held(text)
 
     def _export(self, ns: str, name: str, d: Decision) -> None:
         for key, value in d.numbers.items():

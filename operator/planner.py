@@ -47,6 +47,24 @@ shown what it does), a maximum step each way and the role's bounds. A pod
 without metrics (new, or its scrape failed) is never taken for idle: while
 one exists the role does not scale in.
 
+Policies (``autoscaling.policy``) shape the model's estimate before it is
+rounded and stabilised, so a new policy plugs in without forking
+``RolePlanner.step``: ``reactive`` (the default) sizes for the demand seen;
+``predictive`` sizes for the demand forecast one start-up time ahead (Holt's
+linear trend, ``Forecast``) and holds pods while the forecast over the next
+start-up time plus the scale-down window wants them. The start-up time is
+learned per role from the pods the planner asked for (decision to Ready,
+``StartupLearning``), not a constant.
+
+Scale to zero (``minReplicas: 0``): with no traffic for the scale-down window
+the estimate is zero pods and the stabiliser takes the role there; decode
+stays at one pod while any prefill pod still exists (a terminating prefill
+pod is still handing its KV over). The way back is the router's count of
+requests it holds for lack of engines (``daybreak_router_held_requests``,
+passed in as ``held``): at zero, one held request starts both roles at once.
+Without that signal (no router reporting it) a role never goes below one pod,
+since nothing could bring it back.
+
 COUNTERS ARE DELTAS: every rate comes from two samples of the same pod; a
 counter that went down means the engine restarted, and that pod has no window
 until its next sample.
@@ -57,8 +75,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -94,6 +113,21 @@ SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the t
 # under S: past S/T = 0.75 the planner keeps pods a quarter busy (TTFT ~ 1.33 S) instead of asking for
 # every pod allowed (the old "as many pods as allowed" rule overshot to the bounds on one noisy window).
 MIN_UTILISATION = 0.25
+# The router's count of requests held while no engine can take them (scale from zero): what wakes a role at 0.
+HELD_REQUESTS = "daybreak_router_held_requests"
+# Start-up time (decision to Ready) assumed per role until a pod the planner asked for has become Ready.
+DEFAULT_STARTUP_SECONDS = 30.0
+STARTUP_DECAY = 0.5  # weight of the older start-up estimate when a new pod's time is learned
+# Holt's linear trend on a role's demand: level and trend smoothing per interval. The level follows the rates
+# (themselves a lookback's mean) quickly; the trend more slowly, so one noisy interval is not a slope.
+HOLT_ALPHA = 0.5
+HOLT_BETA = 0.3
+HOLT_DAMPING = 0.9  # per interval ahead: the trend's reach tops out at nine intervals' worth of slope
+# The trend counts only when the last TREND_POINTS demands have a least-squares slope TREND_T standard errors
+# from zero: a steady but noisy load's slope is noise (extrapolated over a start-up time it would resize pods).
+TREND_POINTS = 6
+TREND_T = 3.0
+MAX_GROWTH = 4.0  # the forecast never asks for more than this many times the pods the demand now needs
 
 
 # -- samples ---------------------------------------------------------------------------------------
@@ -218,6 +252,20 @@ def parse_metrics(text: str, *, pod: str, time: float) -> PodSample:
         external_hits=counter(EXTERNAL_HITS),
         kv_usage=values.get(KV_USAGE), local_only_blocks=values.get(LOCAL_ONLY_BLOCKS),
     )
+
+
+def parse_held(text: str) -> float | None:
+    """The router's ``daybreak_router_held_requests`` gauge (summed over label sets) from its /metrics text;
+    None when the text lacks it (a router that cannot hold requests) or is not Prometheus text."""
+    total: float | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == HELD_REQUESTS and math.isfinite(s.value):
+                    total = (total or 0.0) + s.value
+    except (ValueError, TypeError, IndexError):
+        return None
+    return total
 
 
 @dataclass(frozen=True)
@@ -658,6 +706,205 @@ def round_with_tolerance(pods: float, *, current: int, tolerance: float) -> int:
     return lower if lower < current else current
 
 
+# -- forecast, start-up time and policies ----------------------------------------------------------------
+@dataclass
+class Forecast:
+    """Holt's linear trend (double exponential smoothing) on one role's demand, sampled each interval.
+
+    Why Holt and not a seasonal (Holt-Winters) or ARIMA fit: the planner must act on the rising edge of a
+    burst within a few intervals of history, where a seasonal model has not yet seen one period (the Azure
+    trace's bursts are minutes apart and irregular) and an ARIMA fit on a dozen noisy points is mostly noise.
+    A level and a slope, updated in O(1) per interval, are what "one start-up time ahead" needs; a period,
+    when there is one, shows as the slope of its rising edge. Dynamo's planner offers constant, ARIMA and
+    Prophet predictors of the next interval's request count measured at completions; here the demand comes
+    from arrivals and the queue (see ``estimate_prefill``), so the forecast starts from what is sent, not from
+    what has finished.
+
+    The trend is used only while significant: the least-squares slope of the last ``TREND_POINTS``
+    demands must be ``TREND_T`` standard errors from zero and agree in sign with Holt's. A steady load with
+    Poisson noise then forecasts its level (no scale change), while a ramp or a rising edge is
+    extrapolated, damped (``HOLT_DAMPING``) so no horizon reaches past nine intervals' worth of slope.
+    """
+
+    level: float | None = None
+    trend: float = 0.0  # demand per second
+    last: float | None = None  # when the level was last updated
+    step: float = 0.0  # seconds between the last two updates (the damping's unit)
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TREND_POINTS))
+
+    def observe(self, *, now: float, value: float) -> None:
+        if self.level is None or self.last is None:
+            self.level, self.last = value, now
+            self.recent.append((now, value))
+            return
+        dt = now - self.last
+        if dt <= 0:
+            return
+        self.recent.append((now, value))
+        predicted = self.level + self.trend * dt
+        level = HOLT_ALPHA * value + (1 - HOLT_ALPHA) * predicted
+        self.trend = HOLT_BETA * (level - self.level) / dt + (1 - HOLT_BETA) * self.trend
+        self.level, self.last, self.step = max(0.0, level), now, dt
+
+    def slope_t(self) -> float:
+        """The t-statistic of the recent points' least-squares slope (0 with too few points or no spread)."""
+        n = len(self.recent)
+        if n < 4:
+            return 0.0
+        xs = [t for t, _ in self.recent]
+        ys = [v for _, v in self.recent]
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0:
+            return 0.0
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+        if residual <= 1e-12 * max(1.0, my * my):
+            return math.copysign(math.inf, slope) if slope else 0.0
+        return slope / math.sqrt(residual / (n - 2) / sxx)
+
+    def significant(self) -> bool:
+        """The recent demands have a slope, beyond their noise, in the direction Holt's trend points."""
+        t = self.slope_t()
+        return self.trend != 0.0 and abs(t) >= TREND_T and (t > 0) == (self.trend > 0)
+
+    def predict(self, horizon: float) -> float | None:
+        """The demand ``horizon`` seconds after the last update; None before any."""
+        if self.level is None:
+            return None
+        if not self.significant() or self.step <= 0:
+            return self.level
+        # Damped (Gardner): the k-th interval ahead adds HOLT_DAMPING**k of a step, so a long horizon (a
+        # start-up plus the scale-down window) cannot carry a rising edge past the crest it is heading for.
+        n = horizon / self.step
+        steps = HOLT_DAMPING * (1 - HOLT_DAMPING ** n) / (1 - HOLT_DAMPING)
+        return max(0.0, self.level + self.trend * self.step * steps)
+
+    def peak(self, horizon: float) -> float | None:
+        """The most demand forecast over the next ``horizon`` seconds (a line peaks at one of its ends)."""
+        ahead = self.predict(horizon)
+        return None if ahead is None or self.level is None else max(self.level, ahead)
+
+
+@dataclass
+class StartupLearning:
+    """One role's start-up time, decision to Ready, learned from the pods the planner asked for.
+
+    Each pod asked for is an ask with the time it was decided; a pod seen Ready for the first time (and not
+    there when the planner started) answers the oldest ask, and the time between them is one start-up. The
+    estimate is a running mean (``STARTUP_DECAY``) so a changed image or node is followed. A scale-in
+    drops the asks still open (those pods were never going to come).
+    """
+
+    prior: float = DEFAULT_STARTUP_SECONDS
+    seconds: float | None = None
+    asks: deque[float] = field(default_factory=deque)
+    known: set[str] | None = None  # pods already counted (None: nothing seen yet)
+    learned: int = 0
+
+    def estimate(self) -> float:
+        return self.prior if self.seconds is None else self.seconds
+
+    def asked(self, *, now: float, count: int) -> None:
+        self.asks.extend([now] * max(0, count))
+
+    def dropped(self) -> None:
+        self.asks.clear()
+
+    def observe(self, *, ready: Mapping[str, float], pods: Collection[str]) -> None:
+        """``ready``: each Ready pod of the role and when it became Ready (the planner's clock); ``pods``: all
+        the role's pods (a pod counted stays known while it exists, so a readiness flap is no new start)."""
+        if self.known is None:
+            self.known = set(ready)  # there before the planner: nobody here asked for them
+            return
+        for pod, at in sorted(ready.items(), key=lambda item: item[1]):
+            if pod in self.known:
+                continue
+            self.known.add(pod)
+            if not self.asks or self.asks[0] > at:
+                continue  # a replacement or someone else's scale-up: not a start the planner timed
+            took = at - self.asks.popleft()
+            self.seconds = took if self.seconds is None else (1 - STARTUP_DECAY) * took + STARTUP_DECAY * self.seconds
+            self.learned += 1
+        self.known &= set(pods) | set(ready)  # forget pods that went away (names are not reused)
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may read besides the estimate: the role's clocks and learned start-up time."""
+
+    role: str
+    now: float
+    current: int
+    targets: Targets
+    startup_seconds: float
+    forecast: Forecast
+
+
+class Policy(Protocol):
+    """A planner policy: turns the model's estimate for this interval into the one the stabiliser sees.
+
+    ``shape`` may raise or lower ``pods`` (what to scale to) and ``hold`` (the scale-in floor) and should
+    say why in ``reason``; it must not do I/O. The stabiliser, bounds and scale-to-zero rules apply after.
+    """
+
+    name: str
+
+    def shape(self, est: Estimate, ctx: PolicyContext) -> Estimate: ...
+
+
+class ReactivePolicy:
+    """The demand seen now, as the model sized it (the default)."""
+
+    name = "reactive"
+
+    def shape(self, est: Estimate, ctx: PolicyContext) -> Estimate:
+        return est
+
+
+class PredictivePolicy:
+    """The demand forecast one start-up time (plus an interval: the next decision) ahead.
+
+    Up: the pods the model needs now, times the forecast's growth over the horizon (at most MAX_GROWTH), so
+    pods asked for now are Ready when the demand they are for arrives. Down: the hold is raised to the
+    pods the highest forecast over the next start-up time plus the scale-down window needs, so a role
+    does not shed a pod it would have to start again before the window ends.
+    """
+
+    name = "predictive"
+
+    def shape(self, est: Estimate, ctx: PolicyContext) -> Estimate:
+        f = ctx.forecast
+        if est.pods is None or est.demand is None or f.level is None or f.level <= 0:
+            return est
+        horizon = ctx.startup_seconds + ctx.targets.interval_seconds
+        ahead = f.predict(horizon) or 0.0
+        peak = f.peak(horizon + ctx.targets.scale_down_stabilization_seconds) or 0.0
+        growth = min(MAX_GROWTH, ahead / f.level)
+        staying = min(MAX_GROWTH, peak / f.level)
+        numbers = dict(est.numbers, forecast_growth=growth, forecast_horizon_s=horizon, forecast_trend=f.trend)
+        pods, hold, reason = est.pods, est.hold, est.reason
+        if growth > 1.0:
+            pods = est.pods * growth
+            reason += f"; forecast x{growth:.2f} in {horizon:.0f}s (start-up {ctx.startup_seconds:.0f}s): sized ahead"
+        if staying > 1.0:
+            hold = max(est.pods if hold is None else hold, est.pods * staying)
+        numbers["pods"] = pods
+        return dataclasses.replace(est, pods=pods, hold=hold, reason=reason, numbers=numbers,
+                                   demand=est.demand * max(1.0, growth))
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {"reactive": ReactivePolicy, "predictive": PredictivePolicy}
+
+
+def policy_for(name: str) -> Policy:
+    """The policy named by ``autoscaling.policy``; raises ValueError naming the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"autoscaling.policy {name!r}: choose one of {', '.join(sorted(POLICIES))}") from None
+
+
 # -- the stabiliser --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Decision:
@@ -770,16 +1017,29 @@ class RolePlanner:
     # there, so the role does not go back to that many pods until the demand has fallen by the margin.
     missed_at: tuple[int, float] | None = None
     sized_for: float | None = None  # the demand the last scale-up was sized for
+    policy: Policy = field(default_factory=ReactivePolicy)
+    forecast: Forecast = field(default_factory=Forecast)
+    startup: StartupLearning = field(default_factory=StartupLearning)
 
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
              bounds: tuple[int, int], targets: Targets, arrivals: float | None = None,
-             prefilling: float = 0.0) -> Decision:
+             prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None, held: float | None = None,
+             prefill_left: int = 0) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
-        (decode only): the requests prefill holds at its last scrape.
+        (decode only): the requests prefill holds at its last scrape. ``ready_at``: the role's Ready pods and
+        when each became Ready, on ``now``'s clock (None: a pod with a sample counts as Ready now), for the
+        start-up time. ``held``: requests the router holds for lack of engines (None: no router reports it;
+        then the role never goes to zero). ``prefill_left`` (decode only): prefill pods that still exist,
+        terminating ones included (decode goes to zero only after them).
         """
         pods = list(pods)
+        high = bounds[1]
+        self.startup.observe(ready=ready_at if ready_at is not None else {p: now for p in pods if p in samples},
+                             pods=pods)
+        if current == 0 and (held or 0.0) > 0 and high > 0:
+            return self._wake(now=now, held=held or 0.0, bounds=bounds)
         lookback = lookback_seconds(targets)
         windows: list[PodWindow] = []
         silent: list[str] = []
@@ -823,7 +1083,16 @@ class RolePlanner:
                                   margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,
                                   tolerance=targets.tolerance)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
+        demand = est.demand if est.demand is not None else (0.0 if est.pods == 0.0 else None)
+        if demand is not None:
+            self.forecast.observe(now=now, value=demand)
+        startup = self.startup.estimate()
+        est = self.policy.shape(est, PolicyContext(role=self.role, now=now, current=current, targets=targets,
+                                                   startup_seconds=startup, forecast=self.forecast))
         numbers = dict(est.numbers)
+        numbers["startup_s"] = startup
+        if held is not None:
+            numbers["held_requests"] = held
         numbers["pods_reporting"] = float(len(windows))
         numbers["pods_silent"] = float(len(silent))
         recommended = recommend(est, current=current, tolerance=targets.tolerance)
@@ -838,10 +1107,43 @@ class RolePlanner:
             numbers["recommended"] = float(recommended)
         desired, why = self.stabiliser.decide(now=now, current=current, recommended=recommended, bounds=bounds,
                                               targets=targets, can_scale_in=not silent, urgent=est.urgent)
+        if desired == 0 and current > 0:
+            keep = self._why_not_zero(held=held, prefill_left=prefill_left)
+            if keep:
+                desired, why = 1, f"{why}, but {keep}"
+                self.stabiliser.last_current = 1
         if desired > current:
             self.sized_for = est.demand
+            self.startup.asked(now=now, count=desired - current)
+        elif desired < current:
+            self.startup.dropped()
         return Decision(role=self.role, current=current, desired=desired, reason=f"{why}; {reason}",
                         numbers=numbers)
+
+    def _why_not_zero(self, *, held: float | None, prefill_left: int) -> str | None:
+        """Why the role must keep one pod though the window says zero; None when zero is safe."""
+        if held is None:
+            return f"no router reports {HELD_REQUESTS}: nothing could start the role again from zero"
+        if held > 0:
+            return f"the router holds {held:.0f} requests"
+        if self.role == "decode" and prefill_left > 0:
+            return f"{prefill_left} prefill pods still exist (their in-flight KV is handed over first)"
+        return None
+
+    def _wake(self, *, now: float, held: float, bounds: tuple[int, int]) -> Decision:
+        """From zero: the router holds requests, so start the role at once (no window: nobody serves them)."""
+        low, high = bounds
+        desired = min(high, max(1, low))
+        self.stabiliser.last_scale_up = now
+        self.stabiliser.last_current = desired
+        if self.stabiliser.started is None:
+            self.stabiliser.started = now
+        # The interval after a wake may still see zero pods (the apply lags): ask for each pod once.
+        self.startup.asked(now=now, count=desired - len(self.startup.asks))
+        reason = (f"scale from zero: the router holds {held:.0f} requests; start-up about "
+                  f"{self.startup.estimate():.0f}s")
+        return Decision(role=self.role, current=0, desired=desired, reason=reason,
+                        numbers={"held_requests": held, "startup_s": self.startup.estimate()})
 
 
     def _remember_misses(self, est: Estimate, *, current: int, margin: float) -> Estimate:

@@ -1,9 +1,14 @@
-"""``daybreak load``: replay a Mooncake trace or run agent-style sessions against one OpenAI-compatible URL.
+"""``daybreak load``: replay a trace or run agent-style sessions against one OpenAI-compatible URL.
 
-Trace mode (``--trace FILE``): requests are sent at their ``timestamp`` times
-``--time-scale`` (0.1 replays ten times faster), with the ``hash_ids`` prompt
-extension and ``max_tokens = output_length``. Sessions mode (``--sessions N``):
-see ``daybreak.serving.load.sessions``. Both stop sending at ``--max-requests``
+Trace mode (``--trace FILE``, Mooncake JSONL or Azure LLM CSV, see
+``daybreak.serving.load.trace``): requests are sent at their timestamps times
+``--time-scale`` (0.1 replays ten times faster), every ``--sample``-th only
+(the rate divided by N, the shape kept), with the ``hash_ids`` prompt
+extension and ``max_tokens = output_length`` (times ``--token-scale`` and
+``--output-scale``).
+Sessions mode (``--sessions N``): see ``daybreak.serving.load.sessions``; its
+rate is constant, stepped (``--rate-steps``) or shaped (``--rate-shape``: a
+sinusoid or a ramp). Both stop sending at ``--max-requests``
 or ``--duration`` seconds, whichever comes first, then wait for what is in
 flight (each request bounded by ``--request-timeout``). Progress goes to
 stderr (one refreshed line on a terminal, a line every 5 s otherwise); the
@@ -30,7 +35,7 @@ import aiohttp
 from daybreak.serving.load.runner import send
 from daybreak.serving.load.sessions import RateStep, Session, parse_steps, rate_at, text
 from daybreak.serving.load.summary import RequestRecord, progress_line, summarize
-from daybreak.serving.load.trace import TraceError, read_trace
+from daybreak.serving.load.trace import TraceError, parse_shape, read_trace, scale_tokens
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +43,18 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL of the router or engine, e.g. http://127.0.0.1:8000")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
+    mode.add_argument("--trace", type=Path,
+                      help="trace to replay: Mooncake JSONL, or Azure LLM CSV (TIMESTAMP,ContextTokens,"
+                           "GeneratedTokens; no prefix ids: every request's blocks are its own)")
     mode.add_argument("--sessions", type=int, help="sessions mode: how many conversations to open in all")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="trace: multiply arrival times by this (0.1 = ten times faster)")
+    parser.add_argument("--sample", type=int, default=1, metavar="N",
+                        help="trace: keep every N-th request (the rate divided by N, the shape kept)")
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="trace: multiply each request's prompt tokens by this (at least 1)")
+    parser.add_argument("--output-scale", type=float, default=None,
+                        help="trace: multiply each request's output tokens by this (default: --token-scale)")
     parser.add_argument("--max-requests", type=int, default=None, help="send at most this many requests")
     parser.add_argument("--duration", type=float, default=600.0,
                         help="stop sending after this many seconds (default 600)")
@@ -49,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="sessions: requests per second (Poisson)")
     parser.add_argument("--rate-steps", default=None,
                         help="sessions: rate over time, e.g. 1x:30s,4x:30s,1x:30s (multiples of --rate) or 2:30s")
+    parser.add_argument("--rate-shape", default=None,
+                        help="sessions: a shaped rate instead of steps: sine:LOW:HIGH:PERIODs (starting at LOW) "
+                             "or ramp:FROM:TO:SECONDSs (then held), rates absolute or multiples of --rate "
+                             "(sine:1x:4x:60s)")
     parser.add_argument("--system-tokens", type=int, default=2048, help="sessions: shared system prompt length")
     parser.add_argument("--user-tokens", type=int, default=256, help="sessions: new user text per turn")
     parser.add_argument("--output-tokens", type=int, default=64, help="sessions: max_tokens per turn")
@@ -103,7 +120,8 @@ async def _replay(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
     tasks: list[asyncio.Task[RequestRecord]] = []
     first: float | None = None
     sent = 0
-    for req in read_trace(args.trace, limit=args.max_requests):
+    for req in read_trace(args.trace, limit=args.max_requests, every=args.sample):
+        req = scale_tokens(req, factor=args.token_scale, output_factor=args.output_scale)
         first = req.timestamp_ms if first is None else first
         at = (req.timestamp_ms - first) / 1000 * args.time_scale
         if at >= args.duration:
@@ -117,13 +135,15 @@ async def _replay(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
         sent += 1
     if tasks:
         await asyncio.gather(*tasks)
-    return {"mode": "trace", "trace": str(args.trace), "time_scale": args.time_scale}
+    return {"mode": "trace", "trace": str(args.trace), "time_scale": args.time_scale, "sample": args.sample,
+            "token_scale": args.token_scale, "output_scale": args.output_scale}
 
 
 async def _sessions(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]:
     args = run.args
     steps = (parse_steps(args.rate_steps, base_rate=args.rate) if args.rate_steps
              else [RateStep(args.rate, args.duration)])
+    shape = parse_shape(args.rate_shape, base_rate=args.rate) if args.rate_shape else None
     rng = random.Random(args.seed)
     system = text(args.system_tokens, seed=args.seed)
     idle: asyncio.Queue[Session] = asyncio.Queue()
@@ -149,7 +169,7 @@ async def _sessions(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]
     next_at = 0.0
     limit = args.max_requests if args.max_requests is not None else total_turns
     while sent < min(limit, total_turns) and not all_done.is_set():
-        rate = rate_at(steps, next_at)
+        rate = shape.rate_at(next_at) if shape is not None else rate_at(steps, next_at)
         if rate is None or next_at >= args.duration:
             break
         delay = next_at - run.elapsed()
@@ -180,7 +200,7 @@ async def _sessions(run: _Run, session: aiohttp.ClientSession) -> dict[str, Any]
     if tasks:
         await asyncio.gather(*list(tasks))
     return {"mode": "sessions", "sessions": args.sessions, "sessions_opened": opened, "turns": args.turns,
-            "rate": args.rate, "rate_steps": [[s.rate, s.seconds] for s in steps],
+            "rate": args.rate, "rate_steps": [[s.rate, s.seconds] for s in steps], "rate_shape": args.rate_shape,
             "system_tokens": args.system_tokens, "user_tokens": args.user_tokens, "output_tokens_max": args.output_tokens}
 
 
@@ -217,8 +237,13 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
-    if args.time_scale <= 0 or args.duration <= 0 or args.rate <= 0:
-        raise SystemExit("--time-scale, --duration and --rate must be positive")
+    if (args.time_scale <= 0 or args.duration <= 0 or args.rate <= 0 or args.token_scale <= 0
+            or (args.output_scale is not None and args.output_scale <= 0)):
+        raise SystemExit("--time-scale, --duration, --rate, --token-scale and --output-scale must be positive")
+    if args.sample < 1:
+        raise SystemExit("--sample must be at least 1")
+    if args.rate_shape and args.rate_steps:
+        raise SystemExit("--rate-shape and --rate-steps: give one of them")
     try:
         summary = asyncio.run(run_load(args))
     except TraceError as exc:

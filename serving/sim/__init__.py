@@ -73,6 +73,8 @@ class Settings:
     pool_workers: int = 4
     pool_tls_ca_file: str | None = None
     """CA bundle the agents' TLS certificates are checked against; None: plain tcp."""
+    startup_seconds: float = 0.0
+    """Simulated model loading: /health stays 503 this long after the listen socket opens."""
 
     def describe(self) -> str:
         """One log line of key=value pairs (the token left out)."""
@@ -83,7 +85,7 @@ class Settings:
                 f"pool={'none' if self.no_pool else (self.pool_ref or ','.join(self.pool_endpoints))} "
                 f"pool_tls={'ca:' + self.pool_tls_ca_file if self.pool_tls_ca_file else 'off'} "
                 f"max_batch={self.engine.max_batch} max_step_tokens={self.engine.max_step_tokens} "
-                f"local_cache_blocks={self.engine.local_cache_blocks} {cost}")
+                f"local_cache_blocks={self.engine.local_cache_blocks} startup_seconds={self.startup_seconds:g} {cost}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on SIGTERM, wait this long for in-flight requests before exiting anyway")
     parser.add_argument("--pool-workers", type=int, default=4, help="parallel pool clients (threads)")
+    parser.add_argument("--startup-seconds", type=float, default=0.0,
+                        help="simulated model loading: stay unready (/health 503) this long after start "
+                             "(real engines take tens of seconds to minutes; default 0)")
     cost = CostModel()
     for name in knob_names():
         flag = "--" + name.replace("_", "-")
@@ -167,12 +172,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
                           local_cache_blocks=args.local_cache_blocks, cost=cost)
     if args.pool_workers < 1:
         raise ValueError("--pool-workers must be at least 1")
+    if not 0 <= args.startup_seconds <= 3600:
+        raise ValueError(f"--startup-seconds: {args.startup_seconds} is outside 0..3600")
     tls_ca_file = None if args.no_pool else pool_tls_ca_file(override=args.pool_tls_ca)
     return Settings(host=args.host, port=args.port, role=Role(args.role), model=args.model,
                     kv_namespace=args.kv_namespace, layout=layout, block_bytes=block_bytes,
                     pool_endpoints=endpoints, pool_ref=args.pool_ref, token=token, no_pool=args.no_pool,
                     engine=engine, max_model_len=args.max_model_len, drain_seconds=args.drain_seconds,
-                    pool_workers=args.pool_workers, pool_tls_ca_file=tls_ca_file)
+                    pool_workers=args.pool_workers, pool_tls_ca_file=tls_ca_file,
+                    startup_seconds=args.startup_seconds)
 
 
 class _Endpoints:
@@ -292,6 +300,12 @@ async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = Non
     if not settings.no_pool:
         pool = await _connect_pool(settings, stop)
     engine.pool = pool
+    if settings.startup_seconds > 0 and not stop.is_set():
+        # Model loading: the pod is Running but not Ready, as a real engine is while it loads weights, so
+        # the planner's start-up time (decision to Ready) can be measured against 1 s, 30 s or 120 s.
+        log.info("event=loading seconds=%g", settings.startup_seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.startup_seconds)
     engine.start()
     code = 0
     if not stop.is_set():

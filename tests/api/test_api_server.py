@@ -134,6 +134,14 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("pdd-replicas-above-max", PDD, {"decode": {"replicas": 5, "maxReplicas": 4}},
      ["spec.decode.replicas", "replicas must be less than or equal to maxReplicas"]),
     ("pdd-negative-replicas", PDD, {"decode": {"replicas": -1}}, ["spec.decode.replicas"]),
+    ("pdd-zero-on-prefill-only", PDD, {"prefill": {"replicas": 1, "minReplicas": 0, "maxReplicas": 4}},
+     ["spec.decode.minReplicas", "must be set on both prefill and decode"]),
+    ("pdd-zero-without-router", PDD, {"prefill": {"replicas": 1, "minReplicas": 0, "maxReplicas": 4},
+                                      "decode": {"replicas": 1, "minReplicas": 0, "maxReplicas": 4},
+                                      "router": {"enabled": False}},
+     ["spec.router.enabled", "needs router.enabled"]),
+    ("pdd-unknown-planner-policy", PDD, {"autoscaling": {"enabled": True, "policy": "psychic"}},
+     ["spec.autoscaling.policy", "Unsupported value"]),
     ("pdd-replicas-wrong-type", PDD, {"prefill": {"replicas": "two"}}, ["spec.prefill.replicas"]),
     ("pdd-unknown-engine", PDD, {"engine": {"kind": "tgi", "image": "x"}}, ["spec.engine.kind",
                                                                             "Unsupported value"]),
@@ -184,6 +192,15 @@ def test_python_models_reject_the_same_manifests(case: str, base: dict[str, Any]
         return
     with pytest.raises(ValidationError):
         model.from_body(manifest)
+
+
+def test_scale_to_zero_on_both_roles_behind_the_router_is_accepted(api: Api) -> None:
+    zero = {"replicas": 1, "minReplicas": 0, "maxReplicas": 4}
+    manifest = _variant(PDD, "to-zero", {"prefill": zero, "decode": zero,
+                                         "autoscaling": {"enabled": True, "policy": "predictive"}})
+    PDDeployment.from_body(manifest)
+    proc = api.apply(manifest, "--dry-run=server")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_valid_base_manifests_are_accepted(api: Api) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from daybreak.bench.elastic import model_replicas, pod_seconds, ratios, reaction, slo_share
@@ -61,3 +64,115 @@ def test_ratios_and_the_target() -> None:
     assert out["target_met"] is True
     assert ratios({"planner": result(0.95, 300), "fixed-peak": result(0.95, 400)})["target_met"] is False
     assert ratios({"planner": result(0.95, 250, failed=1), "fixed-peak": result(0.95, 400)})["target_met"] is False
+
+
+AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_code_2023.csv"
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    from daybreak.bench.elastic import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(ns, key, value)
+    return ns
+
+
+def _azure_rows(tmp_path: Path, rows: list[tuple[float, int, int]]) -> Path:
+    path = tmp_path / "azure.csv"
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for at, prompt, output in rows:
+        whole = int(at)
+        lines.append(f"2023-11-16 18:{17 + whole // 60:02d}:{whole % 60:02d}.{round((at - whole) * 1e7):07d},"
+                     f"{prompt},{output}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_trace_s_tokens_are_fitted_so_its_busiest_minute_needs_at_most_four_pods_per_role(tmp_path: Path) -> None:
+    from daybreak.bench.elastic import MAX_PODS, fit_token_scale, model_pods, trace_stats, trace_workload
+
+    # 2 req/s for the first minute, then a burst of 8 req/s for 30 s, long prompts and outputs.
+    rows = [(i * 0.5, 6000, 300) for i in range(120)] + [(60 + i / 8, 6000, 300) for i in range(240)]
+    path = _azure_rows(tmp_path, rows)
+    stats = trace_stats(path, sample=1, time_scale=1.0)
+    assert stats.requests == 360 and stats.mean_input == 6000
+    assert 5.0 <= stats.busiest_minute_rate <= 8.1 and stats.busiest_30s_rate >= 7.9
+    prompt, output = fit_token_scale(stats, ttft=4.0, itl=0.08)
+    assert 0 < prompt < 1 and 0 < output <= 1
+    p, d = model_pods(stats.busiest_minute_rate, ttft=4.0, itl=0.08,
+                      **trace_workload(stats, factor=prompt, output_factor=output))
+    assert p <= MAX_PODS + 1e-6 and d <= MAX_PODS + 1e-6
+    assert p > MAX_PODS - 0.5  # the largest factor that fits, not just any
+    # --sample 4 divides the rate by four: the tokens need less scaling down.
+    sampled = trace_stats(path, sample=4, time_scale=1.0)
+    assert sampled.requests == 90
+    assert fit_token_scale(sampled, ttft=4.0, itl=0.08)[0] > prompt
+    # --time-scale 0.5 replays twice as fast: twice the rate, more scaling down.
+    faster = trace_stats(path, sample=1, time_scale=0.5)
+    assert faster.busiest_minute_rate > stats.busiest_minute_rate
+    assert fit_token_scale(faster, ttft=4.0, itl=0.08)[0] < prompt
+
+
+def test_the_bench_sizes_fixed_configurations_from_the_trace_and_builds_the_load(tmp_path: Path) -> None:
+    from daybreak.bench.elastic import MAX_PODS, load_argv, sizing
+
+    rows = [(i * 0.5, 3000, 50) for i in range(240)]
+    path = _azure_rows(tmp_path, rows)
+    sized = sizing(_args(trace=path, sample=2, time_scale=0.5))
+    assert sized["mean_rate"] == pytest.approx(2.0, rel=0.05)
+    for key in ("fixed_peak_replicas", "fixed_avg_replicas"):
+        assert all(1 <= n <= MAX_PODS for n in sized[key])
+    argv = load_argv(_args(trace=path, sample=2, time_scale=0.5, trace_seconds=None),
+                     token_scale=sized["token_scale"])
+    assert argv[:6] == ["--trace", str(path), "--sample", "2", "--time-scale", "0.5"]
+    assert "--token-scale" in argv and "--output-scale" in argv
+
+
+def test_shapes_give_the_load_its_rate_spec_and_the_fixed_sizings_their_mean_and_peak() -> None:
+    from daybreak.bench.elastic import load_argv, shape_rates
+
+    step = _args()
+    mean, peak = shape_rates(step)
+    assert peak == pytest.approx(1.2) and mean == pytest.approx(0.3 * (40 + 160 + 80) / 160)
+    assert "--rate-steps" in load_argv(step, token_scale=(1.0, 1.0))
+    sine = _args(shape="sine", period_seconds=80.0)
+    mean, peak = shape_rates(sine)
+    assert mean == pytest.approx(0.75, rel=0.01) and peak == pytest.approx(1.2)  # 2 whole periods of 0.3..1.2
+    argv = load_argv(sine, token_scale=(1.0, 1.0))
+    assert argv[argv.index("--rate-shape") + 1] == "sine:1x:4x:80s"
+    ramp = load_argv(_args(shape="ramp"), token_scale=(1.0, 1.0))
+    assert ramp[ramp.index("--rate-shape") + 1] == "ramp:1x:4x:80s"
+
+
+def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() -> None:
+    from daybreak.bench.elastic import pdd_manifest, startup_values
+
+    assert startup_values("1,30,120") == [1.0, 30.0, 120.0]
+    with pytest.raises(SystemExit, match="--startup-seconds"):
+        startup_values("soon")
+    args = pdd_manifest("x", replicas=(1, 1), autoscaling={}, startup_seconds=30.0)["spec"]["engine"]["args"]
+    assert args[-2:] == ["--startup-seconds", "30"]
+    assert "--startup-seconds" not in pdd_manifest("x", replicas=(1, 1), autoscaling={})["spec"]["engine"]["args"]
+
+    def result(both: float, pods: float) -> dict[str, object]:
+        return {"slo": {"both": both}, "pod_seconds": pods, "failed_requests": 0}
+
+    out = ratios({"planner@1s": result(0.9, 50), "predictive@1s": result(0.95, 60), "fixed-peak@1s": result(0.9, 100),
+                  "planner@120s": result(0.5, 50), "fixed-peak@120s": result(0.9, 100)})
+    assert out["target_met@1s"] is True and out["predictive_target_met@1s"] is True
+    assert out["target_met@120s"] is False
+    assert out["predictive_vs_fixed-peak@1s"]["pod_seconds"] == pytest.approx(0.6)
+
+
+def test_the_shared_azure_trace_fits_with_sampling() -> None:
+    from daybreak.bench.elastic import fit_token_scale, trace_stats
+
+    if not AZURE.exists():
+        pytest.skip(f"{AZURE} not present")
+    stats = trace_stats(AZURE, sample=10, time_scale=0.1)
+    assert stats.requests == 882
+    prompt, output = fit_token_scale(stats, ttft=4.0, itl=0.08)
+    assert 0.05 < prompt < 0.5 and output == 1.0

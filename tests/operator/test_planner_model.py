@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from daybreak.operator.planner import (
     deletion_costs,
     estimate_decode,
     parse_metrics,
+    policy_for,
     round_with_tolerance,
 )
 
@@ -133,7 +135,8 @@ class FluidRole:
 
 
 def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[float],
-          t: Targets | None = None, startup: int = 0, ahead: bool = False) -> list[tuple[float, int, str]]:
+          t: Targets | None = None, startup: int = 0, ahead: bool = False, policy: str = "reactive",
+          planner: RolePlanner | None = None) -> list[tuple[float, int, str]]:
     """Run the planner one decision per interval; new pods serve after ``startup`` intervals (0: at once).
 
     ``ahead`` (decode): pass prefill's arrival rate, which is the rate decode sees one interval later.
@@ -142,7 +145,7 @@ def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[floa
     """
     t = t or targets()
     fluid = FluidRole(role, replicas, startup=startup)
-    planner = RolePlanner(role)
+    planner = planner or RolePlanner(role, policy=policy_for(policy))
     now = 0.0
     trail: list[tuple[float, int, str]] = []
     arrivals = list(rates[1:]) + rates[-1:]
@@ -428,3 +431,186 @@ def test_decode_counts_the_requests_prefill_holds_as_sequences_a_prefill_away() 
     assert alone.urgent is None, alone
     ahead = estimate_decode([w], target=0.08, learned=learned, current=1, prefilling=6.0)
     assert ahead.urgent == 2 and ahead.numbers["in_flight_now"] == 8.0, ahead
+
+
+# -- forecast, start-up time, policies, scale to zero -------------------------------------------------------------
+def first_above(trail: list[tuple[float, int, str]], level: int) -> float:
+    return next(t for t, r, _ in trail if r > level)
+
+
+def test_the_forecast_extrapolates_a_ramp_and_a_steady_series_forecasts_its_level() -> None:
+    from daybreak.operator.planner import Forecast
+
+    ramp = Forecast()
+    for i in range(12):
+        ramp.observe(now=5.0 * i, value=1.0 + 0.1 * i)  # +0.02 per second
+    assert ramp.level is not None and abs(ramp.level - 2.1) < 0.05
+    ahead = ramp.predict(30.0)
+    # Extrapolated (not the level), damped a little below the straight line (2.1 + 0.02 x 30).
+    assert ahead is not None and 2.1 + 0.3 < ahead <= 2.1 + 0.02 * 30 + 0.05, ahead
+    assert ramp.peak(30.0) == ahead
+    steady = Forecast()
+    for i in range(12):
+        steady.observe(now=5.0 * i, value=3.0)
+    assert steady.predict(120.0) == 3.0 and not steady.significant()
+    # Noise around a level is rarely a trend (a run of six falling points can be): the forecast is the level
+    # in at least nine intervals of ten, and the planner's windows and dead band absorb the rest (below).
+    trended = total = 0
+    for seed in range(1, 8):
+        f = Forecast()
+        for i, v in enumerate(noisy(3.0, 60, seed=seed, spread=0.15)):
+            f.observe(now=5.0 * i, value=v)
+            if i > 10:
+                total += 1
+                trended += f.predict(30.0) != f.level
+    assert trended <= 0.1 * total, (trended, total)
+
+
+def shortfall(trail: list[tuple[float, int, str]], rates: list[float]) -> int:
+    """Pod-intervals below what the rate needs (the fluid prefill pod serves 1 req/s within the target)."""
+    return sum(max(0, math.ceil(rate - 1e-9) - n) for (_, n, _), rate in zip(trail, rates, strict=True))
+
+
+def test_a_ramp_is_met_earlier_by_the_predictive_policy_when_pods_take_time_to_start() -> None:
+    # Prefill, pods take three intervals to start; the rate climbs steadily from 1 to 6 req/s.
+    rates = [1.0] * 8 + [1.0 + 0.25 * i for i in range(25)] + [7.0] * 10
+    runs = {p: drive("prefill", replicas=2, bounds=(1, 20), rates=rates, startup=3, policy=p,
+                     t=targets(scale_down_stabilization_seconds=60.0)) for p in ("reactive", "predictive")}
+    assert first_above(runs["predictive"], 3) < first_above(runs["reactive"], 3), runs
+    assert shortfall(runs["predictive"], rates) < shortfall(runs["reactive"], rates), runs
+    assert any("forecast x" in why for _, _, why in runs["predictive"])
+    # Sized ahead, not pushed to the bounds.
+    assert max(r for _, r, _ in runs["predictive"]) < 12
+
+
+def test_a_sinusoid_s_rising_edge_asks_early() -> None:
+    period = 40  # intervals
+    rates = [1.0] * 6 + [1.0 + 2.5 * (1 - math.cos(2 * math.pi * i / period)) for i in range(period)]
+    for start in (1, 2):
+        runs = {p: drive("prefill", replicas=start, bounds=(1, 20), rates=rates, startup=3, policy=p)
+                for p in ("reactive", "predictive")}
+        assert shortfall(runs["predictive"], rates) < shortfall(runs["reactive"], rates), runs
+
+
+def test_a_steady_noisy_load_makes_no_change_under_the_predictive_policy_either() -> None:
+    for role, rate, seed in (("prefill", 3.0, 1), ("prefill", 5.0, 2), ("decode", 10.0, 3)):
+        trail = drive(role, replicas=2, bounds=(1, 20), rates=noisy(rate, 80, seed=seed, spread=0.15), startup=2,
+                      policy="predictive")
+        assert len(set(sizes_after(trail, 30))) == 1, (role, rate, [(t, r) for t, r, _ in trail])
+
+
+def test_the_start_up_time_is_learned_from_decision_to_ready() -> None:
+    from daybreak.operator.planner import DEFAULT_STARTUP_SECONDS, StartupLearning
+
+    s = StartupLearning()
+    s.observe(ready={"a": 0.0}, pods=["a"])  # there before the planner: not timed
+    assert s.estimate() == DEFAULT_STARTUP_SECONDS
+    s.asked(now=10.0, count=2)
+    s.observe(ready={"a": 0.0, "b": 100.0}, pods=["a", "b", "c"])
+    assert s.estimate() == 90.0
+    s.observe(ready={"a": 0.0, "b": 100.0, "c": 112.0}, pods=["a", "b", "c"])
+    assert s.estimate() == (90.0 + 102.0) / 2
+    s.observe(ready={"a": 0.0, "c": 112.0}, pods=["a", "b", "c"])  # b not ready for a moment: no new start
+    s.observe(ready={"a": 0.0, "b": 150.0, "c": 112.0}, pods=["a", "b", "c"])
+    assert s.learned == 2
+    # Through the planner: pods that start three intervals after the decision teach it about that.
+    planner = RolePlanner("prefill")
+    drive("prefill", replicas=1, bounds=(1, 20), rates=[1.0] * 6 + [4.0] * 12, startup=3, planner=planner)
+    assert planner.startup.learned >= 1
+    assert 2 * INTERVAL <= planner.startup.estimate() <= 4 * INTERVAL, planner.startup
+
+
+def test_a_second_policy_plugs_in_without_touching_step() -> None:
+    import dataclasses
+
+    from daybreak.operator.planner import Estimate, PolicyContext
+
+    class OneMore:
+        name = "one-more"
+
+        def shape(self, est: Estimate, ctx: PolicyContext) -> Estimate:
+            if est.pods is None:
+                return est
+            return dataclasses.replace(est, pods=ctx.current + 1.0, hold=ctx.current + 1.0, reason="one more")
+
+    planner = RolePlanner("prefill", policy=OneMore())
+    trail = drive("prefill", replicas=2, bounds=(1, 6), rates=[3.0] * 20, planner=planner)
+    assert trail[-1][1] == 6 and "one more" in trail[-1][2]
+    assert policy_for("predictive").name == "predictive" and policy_for("reactive").name == "reactive"
+    try:
+        policy_for("psychic")
+    except ValueError as exc:
+        assert "autoscaling.policy" in str(exc) and "predictive" in str(exc)
+    else:
+        raise AssertionError("an unknown policy must be refused")
+
+
+def test_both_roles_go_to_zero_after_the_down_window_prefill_first_and_come_back_on_a_held_request() -> None:
+    t = targets(scale_down_stabilization_seconds=30.0)
+    prefill, decode = FluidRole("prefill", 1), FluidRole("decode", 1)
+    p_planner, d_planner = RolePlanner("prefill"), RolePlanner("decode")
+    p_n = d_n = 1
+    now = 0.0
+    trail: list[tuple[float, int, int]] = []
+    for i in range(40):
+        rate = 1.0 if i < 6 else 0.0
+        for fluid, n in ((prefill, p_n), (decode, d_n)):
+            if n:
+                fluid.advance(rate * (1 if fluid is prefill else 10), INTERVAL)
+        now += INTERVAL
+        p = p_planner.step(now=now, pods=list(prefill.pods), samples=prefill.samples(now), current=p_n,
+                           bounds=(0, 4), targets=t, held=0.0)
+        d = d_planner.step(now=now, pods=list(decode.pods), samples=decode.samples(now), current=d_n,
+                           bounds=(0, 4), targets=t, held=0.0, prefill_left=len(prefill.pods))
+        p_n, d_n = p.desired, d.desired
+        prefill.resize(p_n)
+        decode.resize(d_n)
+        trail.append((now, p_n, d_n))
+    idle_since = 6 * INTERVAL
+    zero_p = next(at for at, p_n_, _ in trail if p_n_ == 0)
+    zero_d = next(at for at, _, d_n_ in trail if d_n_ == 0)
+    assert zero_p >= idle_since + 30.0, trail  # not before a whole down window without traffic
+    assert zero_d > zero_p, trail  # decode after prefill has gone (its KV handed over)
+    assert trail[-1][1:] == (0, 0)
+    # At zero, the router holding a request starts both roles at once (no window: nobody serves it).
+    now += INTERVAL
+    p = p_planner.step(now=now, pods=[], samples={}, current=0, bounds=(0, 4), targets=t, held=2.0)
+    d = d_planner.step(now=now, pods=[], samples={}, current=0, bounds=(0, 4), targets=t, held=2.0)
+    assert (p.desired, d.desired) == (1, 1) and "scale from zero" in p.reason
+    # Nothing held: they stay at zero.
+    q = RolePlanner("prefill").step(now=now, pods=[], samples={}, current=0, bounds=(0, 4), targets=t, held=0.0)
+    assert q.desired == 0
+
+
+def test_without_the_router_s_held_signal_a_role_keeps_one_pod() -> None:
+    t = targets(scale_down_stabilization_seconds=20.0)
+    fluid = FluidRole("prefill", 1)
+    planner = RolePlanner("prefill")
+    n, now = 1, 0.0
+    for _ in range(20):
+        fluid.advance(0.0, INTERVAL)
+        now += INTERVAL
+        d = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=n, bounds=(0, 4),
+                         targets=t, held=None)
+        n = d.desired
+    assert n == 1 and "daybreak_router_held_requests" in d.reason
+
+
+def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner() -> None:
+    from daybreak.operator.autoscaler import ready_at
+    from daybreak.operator.planner import parse_held
+
+    text = ("# TYPE daybreak_router_held_requests gauge\n"
+            "daybreak_router_held_requests{deployment=\"a\"} 2\n"
+            "daybreak_router_held_requests{deployment=\"b\"} 1\n")
+    assert parse_held(text) == 3.0
+    assert parse_held("# TYPE other gauge\nother 1\n") is None
+    assert parse_held("not prometheus {{{") is None
+    pods = [{"metadata": {"name": "p1"}, "status": {"conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-02T08:00:00Z"}]}},
+            {"metadata": {"name": "p2"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+            {"metadata": {"name": "p3"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]
+    from datetime import datetime
+
+    wall = datetime.fromisoformat("2026-12-02T08:00:30+00:00").timestamp()
+    assert ready_at(pods, now_wall=wall, now=1000.0) == {"p1": 970.0, "p3": 1000.0}

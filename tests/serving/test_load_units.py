@@ -129,3 +129,118 @@ def test_sampling_by_root_block_keeps_prefix_trees_whole() -> None:
     assert len(full) / 12 < len(sample) < len(full) / 5
     reuse = lru_bound(sample, capacity_blocks=10**9).hit_rate
     assert reuse is not None and reuse > 0.5  # the full trace's reuse (64% of blocks) survives the sampling
+
+
+AZURE_ROWS = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+              "2023-11-16 18:17:03.9799600,4808,10\n"
+              "2023-11-16 18:17:04.0319600,3180,8\n"
+              "2023-11-16 18:17:05.0319600,100,2\n"
+              "2023-11-16 18:17:06.5319600,600,1\n")
+
+
+def test_an_azure_csv_trace_gives_prompts_of_its_length_with_blocks_of_their_own(tmp_path: Path) -> None:
+    from daybreak.serving.load.trace import trace_format
+
+    path = tmp_path / "azure.csv"
+    path.write_text(AZURE_ROWS)
+    assert trace_format(path) == "azure"
+    reqs = list(read_trace(path))
+    assert [r.input_length for r in reqs] == [4808, 3180, 100, 600]
+    assert [r.output_length for r in reqs] == [10, 8, 2, 1]
+    assert reqs[1].timestamp_ms - reqs[0].timestamp_ms == pytest.approx(52.0, abs=1e-3)
+    assert len(parse_prompt(reqs[0].body(model="m")).tokens) == 4808
+    ids = [h for r in reqs for h in r.hash_ids]
+    assert len(ids) == len(set(ids)) == 10 + 7 + 1 + 2  # no prefix shared between requests
+    # --sample 2: every second request, the first kept; the ids each request gets do not depend on sampling.
+    sampled = list(read_trace(path, every=2))
+    assert [r.input_length for r in sampled] == [4808, 100]
+    assert sampled[1].hash_ids == reqs[2].hash_ids
+    for bad, field in [("2023-11-16 18:17:03.9799600,abc,10", "ContextTokens"),
+                       ("2023-11-16 18:17:03.9799600,10,0", "GeneratedTokens"),
+                       ("yesterday,10,1", "TIMESTAMP"), ("2023-11-16 18:17:03.1,10", "3 fields")]:
+        path.write_text(AZURE_ROWS + bad + "\n")
+        with pytest.raises(TraceError, match=rf"azure.csv:6: .*{field}"):
+            list(read_trace(path))
+
+
+def test_the_shared_azure_trace_parses_whole() -> None:
+    path = SHARED_TRACE.parent / "azure_llm_code_2023.csv"
+    if not path.exists():
+        pytest.skip(f"{path} not present (the traces folder lands with another branch)")
+    reqs = list(read_trace(path))
+    assert len(reqs) == 8819
+    assert len(list(read_trace(path, every=10))) == 882
+
+
+def test_sample_keeps_every_nth_mooncake_request_and_time_scale_compresses_the_replay(tmp_path: Path) -> None:
+    """--sample and --time-scale through the replay itself: a stub server records when each request came."""
+    import asyncio
+    import time as time_mod
+
+    from aiohttp import web
+
+    from daybreak.serving.load import add_arguments, run_load
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 5, "output_length": 1,
+                                        "hash_ids": [i]}) + "\n" for i in range(6)))
+    seen: list[tuple[float, list[int]]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append((time_mod.monotonic(), body["hash_ids"]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "x", "index": 0}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> dict[str, object]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(["--url", f"http://127.0.0.1:{port}", "--trace", str(path), "--sample", "2",
+                                  "--time-scale", "0.01", "--quiet"])
+        try:
+            return await run_load(args)
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(main())
+    assert [ids for _, ids in seen] == [[0], [2], [4]]
+    assert summary["sample"] == 2 and summary["time_scale"] == 0.01
+
+
+def test_token_scale_keeps_leading_blocks_and_busiest_rate_finds_the_burst() -> None:
+    from daybreak.serving.load.trace import busiest_rate, scale_tokens
+
+    req = TraceRequest(0.0, 2048, 100, (7, 8, 9, 10))
+    small = scale_tokens(req, factor=0.25)
+    assert (small.input_length, small.output_length, small.hash_ids) == (512, 25, (7,))
+    assert scale_tokens(TraceRequest(0.0, 3, 1, (1,)), factor=0.01).input_length == 1
+    times = [0.0, 1.0, 2.0, 60.0, 60.1, 60.2, 60.3, 120.0]
+    assert busiest_rate(times, window_s=1.0) == 4.0
+    assert busiest_rate(times, window_s=60.0) == pytest.approx(6 / 60)  # 1.0 .. 60.3
+
+
+def test_shapes_sine_starts_low_and_crests_at_half_period_ramp_climbs_then_holds() -> None:
+    from daybreak.serving.load.trace import parse_shape
+
+    sine = parse_shape("sine:1x:4x:60s", base_rate=0.5)
+    assert (sine.low, sine.high) == (0.5, 2.0)
+    assert sine.rate_at(0) == pytest.approx(0.5) and sine.rate_at(30) == pytest.approx(2.0)
+    assert sine.rate_at(15) == pytest.approx(1.25) and sine.rate_at(60) == pytest.approx(0.5)
+    ramp = parse_shape("ramp:1:3:20", base_rate=9.0)
+    assert [ramp.rate_at(t) for t in (0, 10, 20, 100)] == [1.0, 2.0, 3.0, 3.0]
+    assert parse_shape("ramp:4:1:10s", base_rate=1).rate_at(5) == 2.5  # a falling ramp
+    for bad in ("sine:0:4:60s", "sine:4:1:60s", "tri:1:2:3s", "sine:1:2:0s"):
+        with pytest.raises(ValueError, match="--rate-shape"):
+            parse_shape(bad, base_rate=1.0)
