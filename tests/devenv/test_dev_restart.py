@@ -179,7 +179,11 @@ def test_a_status_on_a_new_address_replaces_the_old_one_at_the_api_server(kube: 
         # What the kubelet before the restart published.
         old = {"status": {"phase": "Running", "podIP": "127.9.1.1", "podIPs": [{"ip": "127.9.1.1"}],
                           "hostIP": "127.9.0.1", "hostIPs": [{"ip": "127.9.0.1"}],
-                          "conditions": [{"type": "PodScheduled", "status": "True"}]}}
+                          "conditions": [{"type": "PodScheduled", "status": "True"}],
+                          "containerStatuses": [{"name": "c", "image": "daybreak", "imageID": "", "ready": True,
+                                                 "restartCount": 2, "containerID": "process://4242",
+                                                 "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                                                 "lastState": {}}]}}
         resp = api.patch(f"/api/v1/namespaces/{ns}/pods/p/status", content=json.dumps(old),
                          headers={"Content-Type": "application/strategic-merge-patch+json"})
         assert resp.status_code == 200, resp.text
@@ -193,6 +197,10 @@ def test_a_status_on_a_new_address_replaces_the_old_one_at_the_api_server(kube: 
     assert worker.last_status is not None, "the status patch was refused"
     assert (status["podIP"], status["podIPs"]) == ("127.8.1.4", [{"ip": "127.8.1.4"}])
     assert (status["hostIP"], status["hostIPs"]) == ("127.8.0.1", [{"ip": "127.8.0.1"}])
+    # The container is the new kubelet's, not a mix of the old process's state and the new one's.
+    (container,) = status["containerStatuses"]
+    assert list(container["state"]) == ["waiting"] and container["restartCount"] == 0, container
+    assert "containerID" not in container and container["ready"] is False, container
     # The rest still merges: the scheduler's condition stays beside the kubelet's.
     assert {c["type"] for c in status["conditions"]} >= {"PodScheduled", "Ready", "ContainersReady"}
 
