@@ -302,6 +302,12 @@ def test_dev_down_then_up_brings_every_pod_back_with_one_address_and_the_router_
     # The agents (one per node, hostNetwork), prefill, decode and the router: every kind of process pod.
     names = sorted(p["metadata"]["name"] for p in cluster.pods())
     assert len(names) == 5, names
+    # A router replaced once: its new pod got the next address, not one of the first three a kubelet
+    # starting afresh hands out, so after a restart only a kept address can match what it had.
+    (router,) = [p for p in cluster.pods() if p["metadata"]["labels"].get("daybreak.dev/role") == "router"]
+    cluster.kubectl("delete", "pod", "-n", NS, router["metadata"]["name"], "--wait=false")
+    cluster.wait_for("a new router Ready, the old one gone", lambda: len(cluster.pods()) == len(names) and (
+        u := _router_url(cluster)) != f"http://{router['status']['podIP']}:8000" and _answers(u))
     # The usual restart: the cluster gets its address slot back, every pod keeps its address.
     _restart(cluster, tmp_path, take_slot=False)
     # Its slot taken by another cluster meanwhile: nodes and pods move to the new slot, one address each.
