@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.serving.load.lru import lru_bound
-from daybreak.serving.load.trace import read_trace, sample_by_root
+from daybreak.serving.load.trace import SYNTHETIC_TRACE, read_trace, sample_by_root
 from daybreak.serving.prompt import TRACE_BLOCK_TOKENS
 from daybreak.serving.sim.costmodel import CostModel as SimCost
 from daybreak.testing.serving_stack import Stack
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 # Llama-3.1-8B's KV (the example layout), 512-token blocks as in the trace: 64 MiB per block.
 MODEL_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * TRACE_BLOCK_TOKENS
 HIGH_WATERMARK = 0.9  # the agent's default: eviction starts at this fill fraction
@@ -47,7 +46,7 @@ CONFIGS = ("pd+pool", "pd-no-pool", "colocated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
+    parser.add_argument("--trace", type=Path, default=SYNTHETIC_TRACE, help="Mooncake-format trace")
     parser.add_argument("--sample", type=int, default=8, help="keep requests whose first block id %% N == 0")
     parser.add_argument("--max-requests", type=int, default=None, help="cap on the sampled requests")
     parser.add_argument("--time-scale", type=float, default=0.05,

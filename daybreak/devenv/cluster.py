@@ -209,7 +209,9 @@ class LocalCluster:
                                                  accelerator=self.spec.accelerator, count=self.spec.devices_per_node)
                 address = self.slot.node_address(i) if self.slot is not None else None
                 resp = api.post("/api/v1/nodes", json=fake_node(name, self.spec, address=address))
-                if resp.status_code not in (201, 409):
+                if resp.status_code == 409 and address:
+                    self._readdress_node(api, name, address)
+                elif resp.status_code not in (201, 409):
                     raise ClusterError(f"creating node {name}: {resp.status_code} {resp.text}")
             self.progress(f"waiting for {count} fake node(s) to become Ready")
             while True:
@@ -224,6 +226,27 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"nodes {sorted(set(names) - ready)} did not become Ready; see {self._log('kwok')}")
                 time.sleep(0.5)
+
+    def _readdress_node(self, api: httpx.Client, name: str, address: str) -> None:
+        """Give an existing fake node (a restarted cluster's) this run's address if it holds another.
+
+        A cluster started again in the same directory finds its nodes in etcd; when its usual address slot
+        was taken meanwhile it runs in another one, and the node's InternalIP must move with it: the
+        process kubelet binds hostNetwork pods to it and publishes it as their hostIP.
+        """
+        resp = api.get(f"/api/v1/nodes/{name}")
+        if resp.status_code != 200:
+            raise ClusterError(f"reading node {name}: {resp.status_code} {resp.text}")
+        addresses = (resp.json().get("status") or {}).get("addresses") or []
+        if any(a.get("type") == "InternalIP" and a.get("address") == address for a in addresses):
+            return
+        patch = {"status": {"addresses": [{"$patch": "replace"}, {"type": "InternalIP", "address": address},
+                                          {"type": "Hostname", "address": name}]}}
+        resp = api.patch(f"/api/v1/nodes/{name}/status", content=json.dumps(patch),
+                         headers={"Content-Type": "application/strategic-merge-patch+json"})
+        if resp.status_code != 200:
+            raise ClusterError(f"moving node {name} to address {address}: {resp.status_code} {resp.text}")
+        self.progress(f"node {name} moved to {address} (its previous address slot was taken)")
 
     def __enter__(self) -> LocalCluster:
         return self.start()

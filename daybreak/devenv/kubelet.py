@@ -496,7 +496,8 @@ class PodWorker(threading.Thread):
                 raise ValueError("init containers are not supported by the process kubelet")
             node_ip = self.kubelet.node_ip(api, self.node)
             self.host_ip = node_ip
-            self.pod_ip = node_ip if pod["spec"].get("hostNetwork") else self.kubelet.allocate_ip(self.uid)
+            self.pod_ip = node_ip if pod["spec"].get("hostNetwork") else self.kubelet.allocate_ip(
+                self.uid, previous=str((pod.get("status") or {}).get("podIP") or ""))
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "tmp").mkdir(exist_ok=True)
             self._write_kubeconfig(api, pod)
@@ -937,7 +938,7 @@ class PodWorker(threading.Thread):
         try:
             # Strategic merge: conditions merge by type, so PodScheduled (the scheduler's) stays.
             resp = api.patch(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status",
-                             content=json.dumps({"status": status}),
+                             content=json.dumps({"status": status_patch(status)}),
                              headers={"Content-Type": "application/strategic-merge-patch+json"})
         except httpx.HTTPError as exc:
             log.warning("event=status_patch_failed pod=%s/%s error=%r (retried)", self.namespace, self.pod_name, exc)
@@ -952,6 +953,21 @@ class PodWorker(threading.Thread):
         self.last_status = status
         self.patch_not_before = 0.0
         self.kubelet.endpoints_changed(self.namespace)
+
+
+def status_patch(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` as a strategic-merge patch that replaces the pod's address lists instead of merging them.
+
+    ``podIPs`` and ``hostIPs`` merge by ``ip``: merged, a pod started again on another address (its cluster
+    restarted in another address slot) would hold both, and the API server refuses a second address of
+    one family with 422, after which no status of that pod gets through. The address is the kubelet's
+    alone, so its list is replaced whole.
+    """
+    patch = dict(status)
+    for key in ("podIPs", "hostIPs"):
+        if key in patch:
+            patch[key] = [{"$patch": "replace"}, *patch[key]]
+    return patch
 
 
 # -- the kubelet -----------------------------------------------------------------------------------
@@ -1048,14 +1064,22 @@ class ProcessKubelet:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def allocate_ip(self, uid: str) -> str:
-        """A loopback address of its own for the pod ``uid`` (kept until the pod is gone): 127.X.1.1 and up."""
+    def allocate_ip(self, uid: str, *, previous: str = "") -> str:
+        """A loopback address of its own for the pod ``uid`` (kept until the pod is gone): 127.X.1.1 and up.
+
+        ``previous`` is the address the pod's status already holds (a cluster restarted with ``dev down``
+        and ``dev up``, whose pods this kubelet starts again): it is kept when it is still this cluster's
+        and free, so the pod's address, its EndpointSlice entries and whatever dialled it stay valid.
+        """
         network = self.slot.network
         first, count = 256, network.num_addresses - 256  # 127.X.0.0/24 is the nodes'
         with self._lock:
             if uid in self._ips:
                 return self._ips[uid]
             used = set(self._ips.values())
+            if previous and self._reusable(previous, used):
+                self._ips[uid] = previous
+                return previous
             for _ in range(count):
                 candidate = str(network.network_address + first + self._next_ip)
                 self._next_ip = (self._next_ip + 1) % count
@@ -1063,6 +1087,16 @@ class ProcessKubelet:
                     self._ips[uid] = candidate
                     return candidate
         raise ValueError(f"no free pod address left in {network}")
+
+    def _reusable(self, address: str, used: set[str]) -> bool:
+        """``address`` is a pod address of this cluster's slot that no other pod holds."""
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return False
+        network = self.slot.network
+        return (ip in network and int(ip) - int(network.network_address) >= 256 and address not in used
+                and not address.endswith((".0", ".255")))
 
     def node_ip(self, api: httpx.Client, node: str) -> str:
         """The node's loopback InternalIP (127.0.1.N); a node made without one gets one of its own here."""
@@ -1126,6 +1160,12 @@ class ProcessKubelet:
             return  # finished before we (re)started: nothing to run
         if not self._is_fake_node(api, str(node)):
             return
+        previous = str((pod.get("status") or {}).get("podIP") or "")
+        if previous and not pod["spec"].get("hostNetwork"):
+            # A pod this kubelet (or the one before a restart) ran: claim its address now, while the relist
+            # goes through the existing pods, so no pod created after it is handed that address first.
+            with contextlib.suppress(ValueError):  # none left: the worker's _prepare reports it
+                self.allocate_ip(uid, previous=previous)
         worker = PodWorker(self, pod)
         with self._lock:
             self.workers[uid] = worker

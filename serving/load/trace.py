@@ -40,6 +40,12 @@ MAX_LINE_BYTES = 4 << 20
 MAX_INPUT_TOKENS = 2_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
 
+# The traces kept in the repository (traces/README.md: where each comes from and its licence), found
+# from this file's place in the source tree: a checkout (and its editable install) has them, a wheel does not.
+TRACES_DIR = Path(__file__).resolve().parents[2] / "traces"
+# The Mooncake FAST'25 synthetic trace: the default workload of the demo and `daybreak bench serving`.
+SYNTHETIC_TRACE = TRACES_DIR / "synthetic_trace.jsonl"
+
 
 class TraceError(DaybreakError, ValueError):
     """A trace line is malformed; the message names the file, line and field."""

@@ -75,7 +75,9 @@ def test_standard_labels_and_owner_reference() -> None:
 
 # -- KVPool children --------------------------------------------------------------------------
 def test_pool_children_and_agent_privileges() -> None:
-    pool = _pool("kvpool-production.yaml")
+    # The production example with its DRAM tier on huge pages: every host path an agent can get.
+    pool = _pool("kvpool-production.yaml", tiers={"dram": {"bytesPerNode": "256Gi", "hugePages": True},
+                                                  "ssd": {"path": "/mnt/nvme0/daybreak", "bytesPerNode": "3Ti"}})
     out = pool_mod.build(pool, image=IMAGE)
     kinds = [m["kind"] for m in out.applied]
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "DaemonSet"]
@@ -99,7 +101,7 @@ def test_pool_children_and_agent_privileges() -> None:
     assert volumes["ssd"]["hostPath"] == {"path": "/mnt/nvme0/daybreak", "type": "DirectoryOrCreate"}
     assert volumes["token"]["secret"]["secretName"] == "kv-production-token"
     assert agent["readinessProbe"]["tcpSocket"]["port"] == "store"
-    assert agent["resources"] == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "2", "memory": "2Gi"}}
+    assert agent["resources"] == {"limits": {"memory": "260Gi"}, "requests": {"cpu": "2", "memory": "260Gi"}}
     assert out.token_secret is not None and out.token_secret["metadata"]["name"] == "kv-production-token"
     # rdma and huge pages: root, with IPC_LOCK as its only capability (see operator/pool.py).
     assert pod["securityContext"]["runAsUser"] == 0 and "initContainers" not in pod
@@ -130,7 +132,8 @@ def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
     assert settings.replicas == 2 and settings.pool_name == "kv-production" and settings.pool_namespace == "ns1"
     assert settings.eviction_policy == "s3fifo" and settings.high_watermark == 0.92
     assert settings.listen == "0.0.0.0:7400"
-    assert json.loads(cm["data"]["pool.json"])["tiers"]["dram"]["hugePages"] is True
+    assert json.loads(cm["data"]["pool.json"])["tiers"]["dram"] == {"bytesPerNode": 256 * 2**30, "enabled": True,
+                                                                    "hugePages": False}
     (ds,) = _by_kind(out.applied, "DaemonSet")
     hash1 = ds["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION]
     changed = _pool("kvpool-production.yaml", leaseSeconds=20)

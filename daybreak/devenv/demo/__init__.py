@@ -14,8 +14,8 @@ line and runs the same (its live view and summary read /metrics directly).
 Environment: ``DEMO_SECONDS`` (load duration, default 120; when set the demo
 does not wait at the end), ``DEMO_JSON`` (write the summary there),
 ``DEMO_HOLD=0`` (do not wait for Ctrl-C; also the default without a terminal),
-``DEMO_TRACE`` (the trace; default ../shared/traces/synthetic_trace.jsonl,
-none when missing), ``DEMO_PROMETHEUS=0`` (no Prometheus even when installed).
+``DEMO_TRACE`` (the trace; default traces/synthetic_trace.jsonl in the
+repository, none when missing), ``DEMO_PROMETHEUS=0`` (no Prometheus even when installed).
 The cluster is always torn down at the end.
 """
 
@@ -41,6 +41,7 @@ from daybreak.devenv.demo import steps
 from daybreak.devenv.demo import summary as summary_mod
 from daybreak.devenv.demo.live import Sampler
 from daybreak.devenv.demo.workload import Workload
+from daybreak.serving.load.trace import SYNTHETIC_TRACE
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ AfterLoad = Callable[[LocalCluster, "prometheus_mod.Prometheus | None", float, f
 
 
 def _trace() -> Path | None:
-    path = Path(os.environ.get("DEMO_TRACE") or steps.ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl")
+    path = Path(os.environ.get("DEMO_TRACE") or SYNTHETIC_TRACE)
     if not path.is_file():
         print(f"(no trace at {path}: sessions only; set DEMO_TRACE=FILE)", flush=True)
         return None
