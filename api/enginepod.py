@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from daybreak.api.kvcompat import KVLayout
 from daybreak.errors import DaybreakError
 
-__all__ = ["ENV_PREFIX", "ENV_VARS", "EnginePodEnv", "EnginePodEnvError", "VLLM_CONNECTOR",
-           "VLLM_CONNECTOR_MODULE", "vllm_kv_transfer_config"]
+__all__ = ["ENV_PREFIX", "ENV_VARS", "VLLM_CONNECTOR", "VLLM_CONNECTOR_MODULE", "EnginePodEnv", "EnginePodEnvError",
+           "VllmKVRole", "vllm_kv_transfer_config"]
 
 ENV_PREFIX = "DAYBREAK_"
 
@@ -113,11 +113,12 @@ class EnginePodEnv(BaseModel):
         never puts the credential itself into a pod spec.
         """
         out: list[dict[str, Any]] = []
-        for name, value in self.model_dump(mode="json", exclude_defaults=True).items():
-            if name == "pool_token":
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if name == "pool_token" or value == field.get_default(call_default_factory=True):
                 continue
-            if name == "kv_layout":
-                text = json.dumps(value, sort_keys=True)
+            if isinstance(value, KVLayout):
+                text = json.dumps(value.to_dict(), sort_keys=True)
             elif isinstance(value, list):
                 text = ",".join(value)
             else:
@@ -134,9 +135,10 @@ ENV_VARS: tuple[str, ...] = tuple(EnginePodEnv.env_name(n) for n in EnginePodEnv
 VLLM_CONNECTOR = "DaybreakConnector"
 VLLM_CONNECTOR_MODULE = "daybreak.connectors.vllm"
 VllmKVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+VLLM_KV_ROLES: tuple[VllmKVRole, ...] = ("kv_producer", "kv_consumer", "kv_both")
 
 
-def vllm_kv_transfer_config(*, kv_role: VllmKVRole, extra: Mapping[str, Any] | None = None,
+def vllm_kv_transfer_config(*, kv_role: str, extra: Mapping[str, Any] | None = None,
                             load_failure_policy: Literal["recompute", "fail"] | None = "recompute") -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for Daybreak's connector (``daybreak.connectors.vllm``), built once.
 
@@ -146,6 +148,8 @@ def vllm_kv_transfer_config(*, kv_role: VllmKVRole, extra: Mapping[str, Any] | N
     A failed load is recomputed, never fatal, unless ``load_failure_policy`` says otherwise (None: vLLM's
     default).
     """
+    if kv_role not in VLLM_KV_ROLES:
+        raise ValueError(f"kv_role: {kv_role!r} is not one of {', '.join(VLLM_KV_ROLES)}")
     config: dict[str, Any] = {"kv_connector": VLLM_CONNECTOR, "kv_connector_module_path": VLLM_CONNECTOR_MODULE,
                               "kv_role": kv_role, "kv_connector_extra_config": dict(extra or {})}
     if load_failure_policy is not None:
