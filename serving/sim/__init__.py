@@ -180,7 +180,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None
                           local_cache_blocks=args.local_cache_blocks, cost=cost)
     if args.pool_workers < 1:
         raise ValueError("--pool-workers must be at least 1")
-    tls_ca_file = None if args.no_pool else pool_tls_ca_file(override=args.pool_tls_ca)
+    tls_ca_file = None if args.no_pool else pool_tls_ca_file(env, override=args.pool_tls_ca)
     return Settings(host=args.host, port=args.port or pod.engine_port or 8000, role=role,
                     model=args.model or pod.model or "sim", kv_namespace=kv_namespace, layout=layout,
                     block_bytes=block_bytes, pool_endpoints=endpoints, pool_ref=pool_ref, token=token,
