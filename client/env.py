@@ -36,7 +36,7 @@ def read_pool_token(*, token: str = "", token_file: str = "", source: str = "") 
         try:
             text = Path(token_file).read_text().strip()
         except OSError as exc:
-            raise EnginePodEnvError(f"{source or 'token file'} {token_file}: cannot read the pool credential "
+            raise EnginePodEnvError(f"{source or 'token file'} {token_file}: cannot read the pool token "
                                     f"({exc.strerror}); mount it there or give the token another way") from None
         if not text:
             raise EnginePodEnvError(f"{source or 'token file'} {token_file} is empty")
