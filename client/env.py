@@ -10,19 +10,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from daybreak.api.enginepod import EnginePodEnv, EnginePodEnvError
 from daybreak.pool.tls import TlsSettingsError
 
-__all__ = ["POOL_TLS_CA_ENV", "EnginePodEnv", "EnginePodEnvError", "engine_pod_env", "pool_tls_ca_file",
-           "read_pool_token"]
+if TYPE_CHECKING:
+    from daybreak.api.enginepod import EnginePodEnv
 
-POOL_TLS_CA_ENV = EnginePodEnv.env_name("pool_tls_ca_file")
-"""CA bundle (PEM) the pool's agents are checked against; set by the operator for a pool with spec.tls."""
+__all__ = ["POOL_TLS_CA_ENV", "engine_pod_env", "pool_tls_ca_file", "read_pool_token"]
+
+# ``api.enginepod`` is imported only when called: ``import daybreak.client`` loads client and pool modules only.
+POOL_TLS_CA_ENV = "DAYBREAK_POOL_TLS_CA_FILE"
+"""CA bundle (PEM) the pool's agents are checked against; set by the operator for a pool with spec.tls
+(``EnginePodEnv.pool_tls_ca_file``; tests/api/test_engine_pod_contract.py checks the two agree)."""
 
 
 def engine_pod_env(env: Mapping[str, str] | None = None) -> EnginePodEnv:
     """The engine-pod contract from ``env`` (default ``os.environ``); ``EnginePodEnvError`` names a bad variable."""
+    from daybreak.api.enginepod import EnginePodEnv
+
     return EnginePodEnv.from_env(os.environ if env is None else env)
 
 
@@ -36,9 +42,13 @@ def read_pool_token(*, token: str = "", token_file: str = "", source: str = "") 
         try:
             text = Path(token_file).read_text().strip()
         except OSError as exc:
+            from daybreak.api.enginepod import EnginePodEnvError
+
             raise EnginePodEnvError(f"{source or 'token file'} {token_file}: cannot read the pool token "
                                     f"({exc.strerror}); mount it there or give the token another way") from None
         if not text:
+            from daybreak.api.enginepod import EnginePodEnvError
+
             raise EnginePodEnvError(f"{source or 'token file'} {token_file} is empty")
         return text
     return token.strip()
@@ -50,10 +60,9 @@ def pool_tls_ca_file(env: Mapping[str, str] | None = None, *, override: str = ""
     None when neither is set (plain tcp). A set but unreadable file raises ``TlsSettingsError`` now,
     at start-up, instead of failing every later connect.
     """
-    env = os.environ if env is None else env
     # One variable, not the whole contract: a process that only wants TLS is not failed by another variable.
-    path = (override or EnginePodEnv.from_env({POOL_TLS_CA_ENV: env.get(POOL_TLS_CA_ENV, "")}).pool_tls_ca_file)
-    path = path.strip()
+    env = os.environ if env is None else env
+    path = (override or env.get(POOL_TLS_CA_ENV, "")).strip()
     if not path:
         return None
     try:

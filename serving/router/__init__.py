@@ -155,7 +155,8 @@ def with_pod_env(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     """``args`` with the pool flags left unset filled from the engine-pod contract (``api.enginepod``, parsed
     from ``env``, default ``os.environ``), and ``token`` resolved with every engine's one precedence: the
     flags' pair if given, else the environment's; within one, a file wins (``client.env.read_pool_token``)."""
-    from daybreak.client.env import EnginePodEnvError, engine_pod_env, read_pool_token
+    from daybreak.api.enginepod import EnginePodEnvError
+    from daybreak.client.env import engine_pod_env, read_pool_token
 
     try:
         pod = engine_pod_env(env)

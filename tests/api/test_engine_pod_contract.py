@@ -24,6 +24,7 @@ from daybreak.api.enginepod import (
 )
 from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment
+from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.connectors.blocks import PoolSettings
 from daybreak.connectors.local import daybreak_transfer_config
 from daybreak.operator import deployment as dep
@@ -177,6 +178,10 @@ def test_one_credential_precedence_in_every_reader(tmp_path: Path) -> None:
                                    env=env).token == "from-flag-file"
     assert PoolSettings.resolve({"token": "from-flag"}, env).token == "from-flag"
     assert PoolSettings.resolve({"token": "x", "token_file": str(flag_file)}, env).token == "from-flag-file"
+
+
+def test_the_clients_ca_variable_is_the_contracts() -> None:
+    assert POOL_TLS_CA_ENV == EnginePodEnv.env_name("pool_tls_ca_file")
 
 
 def test_a_bad_contract_variable_is_refused_naming_it() -> None:
