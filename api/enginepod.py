@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -95,7 +95,7 @@ class EnginePodEnv(BaseModel):
                     raise EnginePodEnvError(f"${cls.env_name(name)} is not JSON ({exc}); give the kvLayout as a "
                                             "JSON object, e.g. '{\"numLayers\":32,\"numKVHeads\":8,\"headDim\":128,"
                                             "\"blockTokens\":16}'") from None
-            elif field.annotation is not None and "list" in str(field.annotation):
+            elif get_origin(field.annotation) is list:
                 values[name] = [v.strip() for v in raw.split(",") if v.strip()]
             else:
                 values[name] = raw

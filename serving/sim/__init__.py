@@ -82,6 +82,7 @@ class Settings:
                 f"block_bytes={self.block_bytes} model_block_bytes={self.layout.bytes_per_block} "
                 f"pool={'none' if self.no_pool else (self.pool_ref or ','.join(self.pool_endpoints))} "
                 f"pool_tls={'ca:' + self.pool_tls_ca_file if self.pool_tls_ca_file else 'off'} "
+                f"transports={','.join(self.transports) or 'all'} "
                 f"max_batch={self.engine.max_batch} max_step_tokens={self.engine.max_step_tokens} "
                 f"local_cache_blocks={self.engine.local_cache_blocks} {cost}")
 
