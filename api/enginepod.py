@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from daybreak.api.kvcompat import KVLayout
 from daybreak.errors import DaybreakError
 
-__all__ = ["ENV_PREFIX", "ENV_VARS", "VLLM_CONNECTOR", "VLLM_CONNECTOR_MODULE", "EnginePodEnv", "EnginePodEnvError",
+__all__ = ["ENV_PREFIX", "ENV_VARS", "VLLM_CONNECTOR", "VLLM_CONNECTOR_MODULE", "EnginePodEnv", "EnginePodEnvError", "EngineRole",
            "VllmKVRole", "vllm_kv_transfer_config"]
 
 ENV_PREFIX = "DAYBREAK_"

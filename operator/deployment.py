@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from daybreak.api.enginepod import EnginePodEnv, VllmKVRole, vllm_kv_transfer_config
+from daybreak.api.enginepod import EnginePodEnv, EngineRole, VllmKVRole, vllm_kv_transfer_config
 from daybreak.api.kvcompat import EngineKind
 from daybreak.api.kvpool import KVPool, Transport
 from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
@@ -146,6 +146,9 @@ def pool_ca_file(pool: KVPool) -> str:
     return f"{POOL_CA_DIR}/{TLS_CA_KEY}" if pool.spec.tls else ""
 
 
+POD_ROLES: dict[Role, EngineRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
 def engine_pod_env(pdd: PDDeployment, pool: KVPool, role: Role) -> EnginePodEnv:
     """The engine-pod contract for ``role``'s pods (``api.enginepod``; the sim engine, the router and the vLLM
     connector parse it with ``EnginePodEnv.from_env``). The credential comes from a Secret (``pool_token_ref``)."""
@@ -162,7 +165,7 @@ def engine_pod_env(pdd: PDDeployment, pool: KVPool, role: Role) -> EnginePodEnv:
         # router pod through its Secret reference (surge first, the old one drains: see ROUTER_STRATEGY); a
         # compatible one leaves it alone.
         return EnginePodEnv(**common)
-    return EnginePodEnv(**common, role=role.value, kv_namespace=spec.kv_namespace(),
+    return EnginePodEnv(**common, role=POD_ROLES[role], kv_namespace=spec.kv_namespace(),
                         transports=[t.value for t in pool.spec.transport.preference],
                         pool_endpoints=[f"{pool_names.service_host()}:{pool.spec.agent.port}"],
                         block_bytes=spec.model.kv_layout.bytes_per_block, model=spec.model.name,
