@@ -45,8 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
+from daybreak.api.agentconfig import AgentConfig
 from daybreak.api.kvpool import KVPool, Transport
+from daybreak.errors import DaybreakError
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
@@ -124,10 +127,27 @@ def metrics_port(pool: KVPool) -> int:
     return pool.spec.agent.port + 1
 
 
-def agent_settings(pool: KVPool) -> dict[str, Any]:
-    """The agent's settings file: the pool's effective config in AgentSettings' field names."""
-    from daybreak.agent.settings import AgentSettings  # the agent's own schema: what we write, it can read
+class AgentConfigError(DaybreakError, ValueError):
+    """The agent config rendered from a KVPool is one the agent would refuse (a key it does not know, a value
+    out of range): the reconcile fails with a condition naming the field instead of the DaemonSet crash-looping.
 
+    A bug of the operator, never of the user's spec (the KVPool's schema admitted it), so the message says so.
+    """
+
+    def __init__(self, pool: KVPool, exc: ValidationError) -> None:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in exc.errors())
+        self.fields = [".".join(str(p) for p in e["loc"]) for e in exc.errors()]
+        super().__init__(f"the agent config rendered for KVPool {pool.metadata.namespace}/{pool.metadata.name} is "
+                         f"not one the agent accepts ({problems}); the operator and agent versions disagree on "
+                         "api.agentconfig.AgentConfig: run an operator and agents of the same release")
+
+
+def agent_settings(pool: KVPool) -> dict[str, Any]:
+    """The agent's config file (``api.agentconfig.AgentConfig``), rendered from the pool's effective spec.
+
+    Exactly the model the agent loads: every key below is a field of it, nothing is filtered on the way, and
+    a key it does not know raises ``AgentConfigError`` (a condition on the pool, not a crash-looping agent).
+    """
     spec = pool.spec
     tiers = spec.tiers
     dram = tiers.dram if tiers.dram and tiers.dram.enabled else None
@@ -141,7 +161,8 @@ def agent_settings(pool: KVPool) -> dict[str, Any]:
         "sysfs_root": HOST_SYS,
         "listen": f"0.0.0.0:{spec.agent.port}",
         "dram_bytes": dram.bytes_per_node if dram else 0,
-        "huge_pages": bool(dram and dram.huge_pages),
+        # hugePages is not rendered: the agent has no huge-page DRAM tier to give it to (it only changes the
+        # pod: the /dev/hugepages mount and uid 0, agent_needs_root).
         "ssd_path": ssd.path if ssd else "",
         "ssd_bytes": ssd.bytes_per_node if ssd else 0,
         "hbm_bytes": hbm.bytes_per_device if hbm else 0,
@@ -163,11 +184,17 @@ def agent_settings(pool: KVPool) -> dict[str, Any]:
         # The standalone agent's TLS settings, pointed at the mounted Secret: both tcp paths serve TLS only.
         candidate |= {"tls_cert_file": f"{TLS_DIR}/{TLS_CERT_KEY}", "tls_key_file": f"{TLS_DIR}/{TLS_KEY_KEY}",
                       "tls_ca_file": f"{TLS_DIR}/{TLS_CA_KEY}"}
-    known = AgentSettings.model_fields
-    values = {k: v for k, v in candidate.items() if k in known}
-    # Validate now: a config the agent would refuse must fail the reconcile, not crash-loop the DaemonSet.
-    AgentSettings.model_validate(values)
-    return values
+    return render_agent_config(pool, candidate)
+
+
+def render_agent_config(pool: KVPool, candidate: dict[str, Any]) -> dict[str, Any]:
+    """``candidate`` validated as the agent's ``AgentConfig`` and dumped as it will be written (the keys given,
+    in the agent's own types); raises ``AgentConfigError`` naming every key the agent would refuse."""
+    try:
+        config = AgentConfig.model_validate(candidate)
+    except ValidationError as exc:
+        raise AgentConfigError(pool, exc) from exc
+    return config.model_dump(mode="json", include=set(candidate))
 
 
 def config_data(pool: KVPool) -> dict[str, str]:

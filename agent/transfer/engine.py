@@ -181,7 +181,8 @@ class TransferEngine:
     @classmethod
     def from_settings(cls, settings: Any, *, token: str = "", runtime: Any = None, topology: Any = None,
                       verbs: Any = None) -> TransferEngine:
-        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``).
+        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``,
+        ``transports``: the pool's ``spec.transport.preference`` as the operator renders it).
 
         An agent's engine serves tcp to the pod network, so it always checks a credential (``token``, the pool
         secret) and binds no wider than the store (``transfer_listen`` empty: the store's host, a free port).
@@ -198,7 +199,7 @@ class TransferEngine:
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
-                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(),
+                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(), transports=settings.transports,
                    caps=Caps(max_connections=settings.max_connections,
                              max_connections_per_address=settings.max_connections_per_address),
                    idle_seconds=settings.idle_seconds)
