@@ -194,7 +194,7 @@ class KVNodeStatus(ApiModel):
     rdma: NodeRdma | None = None
     """RDMA registration state."""
     transports: list[str] = Field(default_factory=list)
-    """Transports the node's store offers (rdma, tcp, ...)."""
+    """Transports the node's agent runs (those of the pool's list that came up here: rdma, link, shm, tcp)."""
     segments: list[NodeSegment] = Field(default_factory=list)
     """Memory segments served and their registrations."""
     transfer: list[NodeTransport] = Field(default_factory=list)
