@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pin-seconds", type=int, help="longest soft pin a writer may ask for")
     parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers and SSD directories "
                         "idle this long")
+    parser.add_argument("--transports", help="comma-separated transports this agent may use, most preferred first "
+                        "(rdma,link,shm,tcp; default all)")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
 
@@ -112,6 +114,7 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
         "max_connections_per_credential": args.max_connections_per_credential,
         "namespace_held_fraction": args.namespace_held_fraction,
         "namespace_pinned_fraction": args.namespace_pinned_fraction, "max_pin_seconds": args.max_pin_seconds,
+        "transports": [t for t in args.transports.split(",") if t] if args.transports is not None else None,
         **sizes,
     }
     settings = AgentSettings.load(config_file=args.config, overrides=overrides)
@@ -209,7 +212,8 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
                                        max_connections_per_address=settings.max_connections_per_address,
                                        max_connections_per_credential=settings.max_connections_per_credential),
                          tls=tls.server if tls else None,
-                         peer_tls=tls.client if tls else None, datapath=datapath)
+                         peer_tls=tls.client if tls else None, datapath=datapath,
+                         offer_shm="shm" in settings.transports)
     return server
 
 

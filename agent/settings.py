@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from daybreak.pool.tls import TlsContexts
@@ -107,6 +107,24 @@ class AgentSettings(BaseModel):
     store_transfer: bool = Field(True, description="serve the store's segments through the transfer engine "
                                  "(shm, link, rdma; docs/architecture.md 'Control vs data'); off: the store stream only")
     transfer_timeout_seconds: float = Field(30.0, gt=0, description="default deadline of a transfer batch")
+
+    # -- allowed transports (KVPool spec.transport.preference) --------------------------
+    transports: list[str] = Field(
+        default_factory=lambda: ["rdma", "link", "shm", "tcp"],
+        description="transports this agent may bring up, most preferred first (the pool's "
+        "spec.transport.preference): the transfer engine opens only these, and without shm no same-node "
+        "client maps the DRAM tier (memcpy); the store's own stream (control, and bytes when nothing else "
+        "applies) is tcp always")
+
+    @field_validator("transports")
+    @classmethod
+    def _known_transports(cls, value: list[str]) -> list[str]:
+        from daybreak.agent.transfer.registry import check_names  # the one list of transport names
+
+        if not value:
+            raise ValueError("transports: empty; list at least one of rdma, link, shm, tcp")
+        check_names(value)
+        return value
 
     @classmethod
     def load(cls, *, config_file: str | None = None, overrides: dict[str, Any] | None = None,

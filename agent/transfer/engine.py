@@ -194,7 +194,7 @@ class TransferEngine:
         if not listen:
             host = settings.listen.rpartition(":")[0] or "127.0.0.1"
             listen = f"{host}:0"
-        return cls(node=settings.node_name or None, listen=listen,
+        return cls(node=settings.node_name or None, listen=listen, transports=settings.transports,
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
