@@ -177,8 +177,8 @@ class BlockStore:
         if self.hbm is not None:
             self.tiers["hbm"] = self.hbm
         self.blocks: dict[str, Block] = {}
-        self.policies: dict[str, Policy] = {"dram": make_policy(config.policy), "ssd": make_policy("lru"),
-                                            "hbm": make_policy(config.policy)}
+        # The pool's eviction.policy in every tier (the API promises it so; the SSD tier was once LRU always).
+        self.policies: dict[str, Policy] = {name: make_policy(config.policy) for name in ("dram", "ssd", "hbm")}
         self.writing: dict[str, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Parked] = {}
