@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram", help="DRAM tier size, e.g. 2Gi")
     parser.add_argument("--ssd-path", help="directory for the SSD tier")
     parser.add_argument("--ssd", help="SSD tier size, e.g. 8Gi (needs --ssd-path)")
-    parser.add_argument("--hbm", help="HBM tier size on device 0, e.g. 4Gi (needs an accelerator runtime)")
+    parser.add_argument("--hbm", help="HBM tier size on every accelerator device, e.g. 4Gi (needs an accelerator "
+                        "runtime)")
     parser.add_argument("--peers", help="comma-separated ADDR:PORT of the other agents of the pool")
     parser.add_argument("--replicas", type=int, help="copies of each block")
     parser.add_argument("--token-file", help="file holding the pool token (created when missing)")
@@ -180,7 +181,11 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         loaded = load_runtime(settings.runtime, sunrise_lib_dir=settings.sunrise_lib_dir)
         if loaded.runtime.devices():
             runtime = loaded.runtime
-            hbm = HbmTier(runtime=loaded.runtime, device=0, capacity=settings.hbm_bytes)
+            # hbm_bytes on every device the runtime reports (KVPool spec.tiers.hbm.bytesPerDevice).
+            hbm = HbmTier(runtime=loaded.runtime, devices=[d.index for d in loaded.runtime.devices()],
+                          capacity=settings.hbm_bytes)
+            log.info("event=hbm_tier devices=%s bytes_per_device=%d bytes=%d",
+                     ",".join(str(d) for d in hbm.devices), hbm.per_device, hbm.capacity)
         else:
             log.warning("event=hbm_disabled reason=%r", "no accelerator runtime loaded: " +
                         "; ".join(f"{k}: {v}" for k, v in loaded.skipped.items()))
@@ -340,7 +345,9 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     def segments() -> list[Any]:
         return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
-    hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage}
+    hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage,
+                             # what the tiers really allocated (HBM: per device, summed), not settings x devices
+                             "tier_capacity": lambda: {name: tier.capacity for name, tier in store.tiers.items()}}
     ledger = getattr(server, "flush_ledger", None)
     if ledger is not None:  # what this agent freed for its KVPool's status.flushRequests, for KVNode
         hooks["namespace_flushes"] = ledger.reports
