@@ -353,8 +353,27 @@ def _store_hooks(server: Any) -> dict[str, Any]:
         hooks["namespace_flushes"] = ledger.reports
     datapath = getattr(server, "datapath", None)
     if datapath is not None:  # per-transport conditions and the engine's segments, for KVNode
-        hooks["transfer_state"] = lambda: (datapath.preflight.conditions(), datapath.descriptors())
+        hooks["transfer_state"] = lambda: (_with_store_bytes(datapath.preflight.conditions(), store.metrics),
+                                           datapath.descriptors())
     return hooks
+
+
+def _with_store_bytes(conditions: list[dict[str, Any]], metrics: Any) -> list[dict[str, Any]]:
+    """Each engine transport's condition plus the block bytes the store itself moved over it (``storeBytes``).
+
+    The store's own paths are the same-node memcpy (shm) and its stream (tcp; tls counts as tcp here):
+    KVNode then shows every byte the agent moved per transport, not only the engine's one-sided ones.
+    """
+    def moved(label: str) -> int:
+        return int(sum(metrics.registry.get_sample_value("daybreak_store_bytes_total",
+                                                         {"transport": label, "op": op}) or 0
+                       for op in ("read", "write")))
+
+    out = []
+    for condition in conditions:
+        labels = ("tcp", "tls") if condition["transport"] == "tcp" else (condition["transport"],)
+        out.append({**condition, "storeBytes": sum(moved(label) for label in labels)})
+    return out
 
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:

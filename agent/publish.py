@@ -150,7 +150,8 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
                       message=f"{len(accelerators)} accelerator(s), {len(nics)} RDMA NIC(s); {registrar.status}",
                       last_transition_time=ready_since or now)
     transports = [NodeTransport(transport=t["transport"], state=t["state"], reason=t.get("reason", ""),
-                                bytes_used=t.get("bytesUsed", 0), bytes_fell_back=t.get("bytesFellBack", 0))
+                                bytes_used=t.get("bytesUsed", 0), store_bytes=t.get("storeBytes", 0),
+                                bytes_fell_back=t.get("bytesFellBack", 0))
                   for t in transfer]
     conditions = [ready] + [
         Condition(type=f"Transport{t.transport.capitalize()}",

@@ -252,7 +252,8 @@ class Endpoint(ApiModel):
     transports: list[Transport] = Field(default_factory=list)
     """Transports this agent runs, as it reported them on its node's KVNode (empty until it reports)."""
     bytes_moved: dict[str, int] = Field(default_factory=dict)
-    """Bytes the agent's transfer engine moved per transport since it started (from its KVNode)."""
+    """Block bytes the agent moved per transport since it started, its transfer engine's and its store's own
+    (its KVNode's status.transfer: bytesUsed + storeBytes)."""
 
 
 class FlushRequest(ApiModel):

@@ -399,7 +399,8 @@ class AgentReport:
         if not status.get("capacity"):
             return None
         node = (obj.get("spec") or {}).get("nodeName") or (obj.get("metadata") or {}).get("name", "")
-        moved = {str(t.get("transport", "")): int(t.get("bytesUsed") or 0) for t in status.get("transfer") or []}
+        moved = {str(t.get("transport", "")): int(t.get("bytesUsed") or 0) + int(t.get("storeBytes") or 0)
+                 for t in status.get("transfer") or []}
         return cls(node=str(node), capacity=dict(status.get("capacity") or {}), used=dict(status.get("used") or {}),
                    transports=tuple(str(t) for t in status.get("transports") or []), bytes_moved=moved)
 

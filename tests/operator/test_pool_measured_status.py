@@ -29,7 +29,8 @@ def _ready_pod(node: str, ip: str) -> dict[str, Any]:
 def _kvnode(node: str, *, transports: list[str], moved: dict[str, int]) -> dict[str, Any]:
     return {"metadata": {"name": node}, "spec": {"nodeName": node},
             "status": {"capacity": {"dram": 1 << 20}, "used": {}, "transports": transports,
-                       "transfer": [{"transport": t, "state": "works", "bytesUsed": n} for t, n in moved.items()]}}
+                       "transfer": [{"transport": t, "state": "works", "bytesUsed": n, "storeBytes": 100}
+                                    for t, n in moved.items()]}}
 
 
 def test_endpoint_transports_and_bytes_come_from_the_agents_reports() -> None:
@@ -43,7 +44,7 @@ def test_endpoint_transports_and_bytes_come_from_the_agents_reports() -> None:
                          existing=None, generation=1)
     by_node = {e["node"]: e for e in st["endpoints"]}
     assert by_node["n0"]["transports"] == ["shm", "tcp"]  # not the spec's shm, link, tcp
-    assert by_node["n0"]["bytesMoved"] == {"shm": 4096, "tcp": 512}
+    assert by_node["n0"]["bytesMoved"] == {"shm": 4096 + 100, "tcp": 512 + 100}  # the engine's and the store's
     assert by_node["n1"]["transports"] == [] and by_node["n1"]["bytesMoved"] == {}
     parsed = KVPool.from_body({**pool.to_dict(), "status": st})  # the status the schema accepts
     assert [t.value for t in parsed.status.endpoints[0].transports] == ["shm", "tcp"]
