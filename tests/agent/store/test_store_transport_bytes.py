@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daybreak.agent.transfer import TransferEngine
 from daybreak.client import KVPoolClient
+from daybreak.pool.connection import Connection, RemoteError
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 
@@ -128,6 +129,13 @@ def test_an_agent_allowed_only_tcp_serves_same_node_clients_over_tcp(pool: str, 
         assert moved.get(("tcp", "write")) == 3 * (64 << 10) + (32 << 10)
         assert moved.get(("tcp", "read")) == 3 * (64 << 10) + (32 << 10)
         assert not moved.get(("shm", "write")) and not moved.get(("shm", "read"))
+        # A client that maps segments anyway (an old one, or one ignoring the hello) is refused, not served.
+        conn = Connection(agent.address, token=token.encode())
+        try:
+            with pytest.raises(RemoteError, match="shm is not among this pool's transports"):
+                conn.alloc(["x"], [4096], [0])
+        finally:
+            conn.close()
     finally:
         agent.kill()
 
