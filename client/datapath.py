@@ -33,6 +33,11 @@ from daybreak.pool.connection import Connection
 log = logging.getLogger(__name__)
 
 
+# The KVPool API's transport names (api/kvpool.py Transport; the client does not import the API package,
+# tests/operator/test_pool_measured_status.py checks the two agree).
+TRANSPORTS = ("rdma", "link", "shm", "tcp")
+
+
 class Strategy(enum.Enum):
     ENGINE = "engine"
     MEMCPY = "memcpy"
@@ -95,7 +100,7 @@ class EngineDataPath:
         self.engine = engine
         self.timeout = timeout_seconds
         # The pool's transports (None: all): a first route outside them is not taken.
-        self.allowed = frozenset(allowed) if allowed is not None else frozenset({"rdma", "link", "shm", "tcp"})
+        self.allowed = frozenset(allowed if allowed is not None else TRANSPORTS)
         self._remotes: dict[str, dict[str, Any]] = {}  # agent -> segment id -> engine remote
         self.used: dict[str, int] = {}  # bytes per transport the engine reported
         # rdma moves only registered memory: host buffers bounce through one registered staging

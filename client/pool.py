@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from daybreak.api.kvpool import Transport
-from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
+from daybreak.client.datapath import TRANSPORTS, DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
@@ -34,7 +33,7 @@ from daybreak.pool.tls import client_context
 
 log = logging.getLogger(__name__)
 
-ALL_TRANSPORTS = tuple(t.value for t in Transport)  # the API's names; default: every one allowed
+ALL_TRANSPORTS = TRANSPORTS  # default: every one allowed
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DOWN_SECONDS = 2.0
 _MAX_BATCH_KEYS = 1024

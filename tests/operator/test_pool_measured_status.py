@@ -68,3 +68,10 @@ def test_no_huge_pages_path_remains_in_the_agent_pod() -> None:
     (ds,) = [m for m in pool_mod.build(_pool(), image="img").applied if m["kind"] == "DaemonSet"]
     volumes = ds["spec"]["template"]["spec"]["volumes"]
     assert not any((v.get("hostPath") or {}).get("path") == "/dev/hugepages" for v in volumes)
+
+
+def test_the_client_knows_the_apis_transport_names() -> None:
+    from daybreak.api.kvpool import Transport
+    from daybreak.client.datapath import TRANSPORTS
+
+    assert set(TRANSPORTS) == {t.value for t in Transport}
