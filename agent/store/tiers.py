@@ -742,7 +742,7 @@ def reclaim_ssd_orphans(*, root: Path, owner: SsdOwner, keep: Path, older_than_s
 
 
 def _owned(st: os.stat_result) -> bool:
-    """This user's; a root agent (rdma, huge pages) also takes 65532's, which the ssd-owner init container
+    """This user's; a root agent (rdma) also takes 65532's, which the ssd-owner init container
     hands the whole root to (``operator/pool.py``) whichever pool's agent created a directory."""
     return st.st_uid == os.geteuid() or os.geteuid() == 0
 
