@@ -195,11 +195,11 @@ class TransferEngine:
         if not listen:
             host = settings.listen.rpartition(":")[0] or "127.0.0.1"
             listen = f"{host}:0"
-        return cls(node=settings.node_name or None, listen=listen,
+        return cls(node=settings.node_name or None, listen=listen, transports=settings.transports,
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
-                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(), transports=settings.transports,
+                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(),
                    caps=Caps(max_connections=settings.max_connections,
                              max_connections_per_address=settings.max_connections_per_address),
                    idle_seconds=settings.idle_seconds)
