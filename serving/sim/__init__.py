@@ -234,7 +234,8 @@ async def _connect_pool(settings: Settings, stop: asyncio.Event) -> PoolIO | Non
         if not current:
             raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
         return KVPoolClient(list(current), token=settings.token, namespace=settings.kv_namespace,
-                            tls_ca_file=settings.pool_tls_ca_file, transport=settings.client_transport)
+                            tls_ca_file=settings.pool_tls_ca_file, transport=settings.client_transport,
+                            transports=settings.transports or None)
 
     async def refresh() -> None:
         try:
