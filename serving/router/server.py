@@ -495,12 +495,13 @@ class Router:
             return web.json_response(body, status=503)
         body["held_requests"] = self.held
         if decode == 0:
-            body["status"] = "no ready decode pods" if not self.colocated else "no ready engine pods"
+            status = "no ready decode pods" if not self.colocated else "no ready engine pods"
             if self.config.hold_queue > 0:
                 # Ready all the same: at zero the router must take requests (and hold them) so that the planner
                 # sees them and starts the engines; an unready router would get none and never wake them.
-                body["status"] += ", holding requests"
+                body["status"] = status + ", holding requests"
                 return web.json_response(body)
+            body["status"] = status
             return web.json_response(body, status=503)
         return web.json_response(body)
 
