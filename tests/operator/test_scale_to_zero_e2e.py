@@ -69,7 +69,7 @@ class Env:
         return httpx.get(f"{url}/metrics", timeout=10).text
 
     def diagnose(self) -> str:
-        return self.operator.log()[-4000:] + "\n" + self.space.pod_logs(f"{NAME}-router", tail=3000)
+        return self.operator.log()[-3000:] + "\n" + self.space.pod_logs(f"{NAME}-", tail=2500)
 
 
 def wait_for(what: str, probe: Callable[[], T | None], *, env: Env, timeout: float = 180.0) -> T:
@@ -142,7 +142,10 @@ def cold_start(env: Env, prompt: str) -> tuple[float, dict[str, Any]]:
     url = env.router_url()
     assert url is not None, "the router must stay Ready at zero engines"
     assert parse_held(env.router_metrics()) == 0.0
-    seconds, usage = first_token(url, prompt)
+    try:
+        seconds, usage = first_token(url, prompt)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{env.diagnose()}") from None
     assert env.replicas("prefill") >= 1 and env.replicas("decode") >= 1
     return seconds, usage
 
