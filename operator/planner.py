@@ -81,6 +81,7 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from daybreak.api.metric_names import HELD_REQUESTS as HELD_REQUESTS  # the router's gauge (re-exported)
 from daybreak.errors import DaybreakError
 
 # vLLM's metric names (counters also exposed with the _total suffix by prometheus_client).
@@ -113,8 +114,6 @@ SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the t
 # under S: past S/T = 0.75 the planner keeps pods a quarter busy (TTFT ~ 1.33 S) instead of asking for
 # every pod allowed (the old "as many pods as allowed" rule overshot to the bounds on one noisy window).
 MIN_UTILISATION = 0.25
-# The router's count of requests held while no engine can take them (scale from zero): what wakes a role at 0.
-HELD_REQUESTS = "daybreak_router_held_requests"
 # Start-up time (decision to Ready) assumed per role until a pod the planner asked for has become Ready.
 DEFAULT_STARTUP_SECONDS = 30.0
 STARTUP_DECAY = 0.5  # weight of the older start-up estimate when a new pod's time is learned

@@ -12,7 +12,8 @@ load alone, which is what a vLLM deployment without the prefix API gets.
 Limits and privacy (``--auth-dir``, ``--max-concurrent-per-client``,
 ``--request-timeout-seconds``, ``--max-model-len``, ``--cache-statistics``,
 ``--debug-headers``) are described in ``serving.router.server`` and
-docs/security.md.
+docs/security.md; so is holding requests while engines start from zero
+(``--hold-queue``, ``--hold-seconds``; docs/serving.md).
 Every flag has the environment fallback named in its help, so the operator's
 pod env configures it.
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 from daybreak.serving.router.choice import CostModel
 from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT
-from daybreak.serving.router.server import RouterConfig
+from daybreak.serving.router.server import DEFAULT_HOLD_QUEUE, DEFAULT_HOLD_SECONDS, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--debug-headers", action="store_true",
                    help="name the pods that served a request, the prefill outcome and the kvNamespace in "
                    "x-daybreak-* response headers (tests, benchmarks; they expose internal addresses)")
+    h = parser.add_argument_group("holding requests while engines start (scale from zero)")
+    h.add_argument("--hold-queue", type=int,
+                   default=int(_env("DAYBREAK_ROUTER_HOLD_QUEUE", str(DEFAULT_HOLD_QUEUE)) or DEFAULT_HOLD_QUEUE),
+                   help="requests held at once while a role has no ready engine; more get 503 with Retry-After; "
+                   "0: no holding and no held-requests gauge, so the planner keeps a pod per role "
+                   f"($DAYBREAK_ROUTER_HOLD_QUEUE, {DEFAULT_HOLD_QUEUE})")
+    h.add_argument("--hold-seconds", type=float,
+                   default=float(_env("DAYBREAK_ROUTER_HOLD_SECONDS", str(DEFAULT_HOLD_SECONDS))
+                                 or DEFAULT_HOLD_SECONDS),
+                   help="a held request waits at most this long from its arrival for the engines to start, then "
+                   f"503 with Retry-After ($DAYBREAK_ROUTER_HOLD_SECONDS, {DEFAULT_HOLD_SECONDS:g})")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
                         "before stopping (in-flight requests and those still arriving)")
     parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
@@ -193,11 +205,13 @@ async def _main(args: argparse.Namespace) -> int:
 
     block_tokens = block_tokens_of(args.kv_layout)
     for flag, value in (("--max-concurrent-per-client", args.max_concurrent_per_client),
-                        ("--max-model-len", args.max_model_len)):
+                        ("--max-model-len", args.max_model_len), ("--hold-queue", args.hold_queue)):
         if value < 0:
             raise SystemExit(f"{flag}: {value} is negative; give 0 (the default behaviour) or more")
     if not args.request_timeout_seconds > 0:
         raise SystemExit(f"--request-timeout-seconds: {args.request_timeout_seconds} must be positive")
+    if not args.hold_seconds > 0:
+        raise SystemExit(f"--hold-seconds: {args.hold_seconds} must be positive (--hold-queue 0 turns holding off)")
     auth: Credentials | None = None
     if args.auth_dir:
         try:
@@ -211,7 +225,8 @@ async def _main(args: argparse.Namespace) -> int:
                        load_block_seconds=args.load_block_seconds, queue_seconds=args.queue_seconds),
         request_timeout_seconds=args.request_timeout_seconds,
         max_concurrent_per_client=args.max_concurrent_per_client, max_model_len=args.max_model_len or None,
-        cache_statistics=args.cache_statistics, debug_headers=args.debug_headers)
+        cache_statistics=args.cache_statistics, debug_headers=args.debug_headers,
+        hold_queue=args.hold_queue, hold_seconds=args.hold_seconds)
     api: Any = None
 
     async def need_api() -> Any:
@@ -274,13 +289,13 @@ async def _main(args: argparse.Namespace) -> int:
 
     log.info("event=settings mode=%s prefill=%s decode=%s pool_lookup=%s block_tokens=%s deadline_s=%.1f "
              "max_attempts=%d cost=%s auth=%s credentials=%d max_concurrent_per_client=%d request_timeout_s=%g "
-             "max_model_len=%s cache_statistics=%s debug_headers=%s", "colocated" if prefill is None else "pd",
+             "max_model_len=%s cache_statistics=%s debug_headers=%s hold_queue=%d hold_s=%g", "colocated" if prefill is None else "pd",
              args.prefill_service or args.prefill_endpoints or "-", args.decode_service or args.decode_endpoints,
              "pool-ref:" + args.pool_ref if pool and args.pool_ref else ("static" if pool else "off"),
              block_tokens, config.deadline_seconds, config.max_attempts, config.cost,
              "bearer" if auth else "off", len(auth.names) if auth else 0, config.max_concurrent_per_client,
              config.request_timeout_seconds, config.max_model_len or "from-engines", config.cache_statistics,
-             config.debug_headers)
+             config.debug_headers, config.hold_queue, config.hold_seconds)
     router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace,
                     auth=auth)
     try:

@@ -38,6 +38,17 @@ Bounded, so that no client starves the others (docs/security.md):
   ``--request-timeout-seconds``; ``max_tokens`` over the model's context
   length minus the prompt is refused with 400 (the context length from
   ``--max-model-len`` or the engines' ``/v1/models``).
+- **Hold while engines start** (scale from zero): a request that finds no
+  ready engine of a role (decode, or prefill where configured) waits in a
+  bounded queue (``--hold-queue``, ``--hold-seconds``) instead of failing;
+  the gauge ``daybreak_router_held_requests`` (by ``role``) counts them, and
+  the planner starts a role at zero on it. It is released as soon as every
+  role has a ready pod (its wait counts in its TTFT, measured from arrival);
+  a full queue, or a hold past its deadline with no decode pod, is answered
+  503 with ``Retry-After``; a client that goes away frees its slot. Past the
+  deadline with decode ready but prefill still missing, decode computes the
+  prompt (slower, not failed). ``--hold-queue 0`` turns holding off: then
+  the gauge is not exported and the planner keeps a pod per role.
 - **No cache oracle**: ``cached_tokens`` and the ``daybreak`` usage counters
   reach clients only with ``--cache-statistics``; pod addresses and the
   prefill outcome appear in response headers only with ``--debug-headers``;
@@ -70,6 +81,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from daybreak.api.metric_names import HELD_REQUESTS
 from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
@@ -90,6 +102,13 @@ _EXISTS_CHUNK = 1024
 RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
 PREFIX_TIMEOUT = 0.5
+# What a client is told to wait before retrying when the hold queue is full or the engines' start ran past
+# --hold-seconds: about a sim/vLLM pod's start-up, so the retry finds them more likely up than not.
+HOLD_RETRY_AFTER_SECONDS = 10
+# How often a held request looks whether every role has a ready pod (discovery re-reads about every second).
+HOLD_POLL_SECONDS = 0.1
+DEFAULT_HOLD_QUEUE = 64
+DEFAULT_HOLD_SECONDS = 120.0
 # How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
 CONTEXT_LENGTH_TTL_SECONDS = 30.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -124,6 +143,13 @@ class RouterConfig:
     """Pass ``usage.prompt_tokens_details`` and ``usage.daybreak`` to clients (they tell what a cache held)."""
     debug_headers: bool = False
     """Say in response headers which pods served a request, whether prefill ran, and the kvNamespace."""
+    hold_queue: int = DEFAULT_HOLD_QUEUE
+    """Requests held at once while a role has no ready engine (scale from zero); more are answered 503 with
+    ``Retry-After``. 0: no holding (503 after the short discovery wait), and no held-requests gauge, so the
+    planner never takes a role to zero."""
+    hold_seconds: float = DEFAULT_HOLD_SECONDS
+    """A held request waits at most this long from its arrival for the engines (a pod's start-up, with margin);
+    then 503 with ``Retry-After`` (or, with decode ready and prefill still missing, decode computes)."""
 
 
 _POOL_NAMESPACES = 4  # kvNamespaces with open pool clients at once (an upgrade has two live)
@@ -275,6 +301,20 @@ class Metrics:
                                         "router was draining (served, then the connection closed)", registry=r)
         self.in_flight = Gauge("daybreak_router_requests_in_flight", "Requests being served", registry=r)
         self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
+        self.hold_seconds = Histogram("daybreak_router_hold_seconds", "Time a request was held for engines to "
+                                      "start (released or not)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.held: Gauge | None = None
+        """``HELD_REQUESTS`` by role: only where the router holds requests (the planner reads its absence as
+        'nothing could start a role again from zero')."""
+
+    def export_held(self, roles: list[str]) -> Gauge:
+        """Create the held-requests gauge with a zero sample per role: a gauge without samples reads to the
+        planner as no gauge at all."""
+        self.held = Gauge(HELD_REQUESTS, "Requests held because no engine of a role is ready (scale from zero)",
+                          ["role"], registry=self.registry)
+        for role in roles:
+            self.held.labels(role).set(0)
+        return self.held
 
 
 class StepFailed(DaybreakError):
@@ -372,6 +412,10 @@ class Router:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.held = 0
+        """Requests held right now for lack of a ready engine (at most ``config.hold_queue``)."""
+        if config.hold_queue > 0:
+            self.metrics.export_held(["engine"] if prefill is None else ["prefill", "decode"])
 
     @property
     def colocated(self) -> bool:
@@ -449,8 +493,15 @@ class Router:
         if self.draining:
             body["status"] = "draining"
             return web.json_response(body, status=503)
+        body["held_requests"] = self.held
         if decode == 0:
-            body["status"] = "no ready decode pods" if not self.colocated else "no ready engine pods"
+            status = "no ready decode pods" if not self.colocated else "no ready engine pods"
+            if self.config.hold_queue > 0:
+                # Ready all the same: at zero the router must take requests (and hold them) so that the planner
+                # sees them and starts the engines; an unready router would get none and never wake them.
+                body["status"] = status + ", holding requests"
+                return web.json_response(body)
+            body["status"] = status
             return web.json_response(body, status=503)
         return web.json_response(body)
 
@@ -601,6 +652,9 @@ class Router:
             self.metrics.failures.labels("bad_request").inc()
             return _error(400, str(exc), param="prompt")
         stream = body.get("stream") is True
+        refused = await self._hold(rid=rid, started=started)
+        if refused is not None:
+            return refused
         try:
             client_salt = openai.cache_salt(body)
             openai.max_tokens(body, context_length=await self.context_length(), prompt_tokens=len(prompt.tokens))
@@ -687,6 +741,70 @@ class Router:
             self.metrics.failures.labels(f"{exc.role}_{exc.reason}").inc()
             log.warning("event=request_failed id=%s role=%s reason=%s", rid, exc.role, exc.reason)
             return _error(503, str(exc), kind="service_unavailable")
+
+    # -- holding while engines start ---------------------------------------------------------------
+
+    def _missing_role(self) -> str | None:
+        """The role a request cannot be served without, when it has no ready pod; None when all have one."""
+        if not self.decode.pods():
+            return "engine" if self.colocated else "decode"
+        if self.prefill is not None and not self.prefill.pods():
+            return "prefill"
+        return None
+
+    async def _hold(self, *, rid: str, started: float) -> web.Response | None:
+        """Wait while a role has no ready pod (scale from zero), in the bounded queue; a 503 to send instead
+        of serving, or None to go on. Cancellation (the client went away, the request deadline) frees the slot
+        in ``finally``."""
+        missing = self._missing_role()
+        if missing is None or self.config.hold_queue <= 0 or self.metrics.held is None:
+            return None
+        gauge = self.metrics.held
+        if self.held >= self.config.hold_queue:
+            self.metrics.failures.labels("hold_queue_full").inc()
+            log.warning("event=hold_refused id=%s reason=queue_full held=%d missing=%s", rid, self.held, missing)
+            return self._unavailable(f"no {missing} engine is ready yet and {self.held} requests already wait "
+                                     f"for one (--hold-queue {self.config.hold_queue}); retry later")
+        self.held += 1
+        gauge.labels(missing).inc()
+        log.info("event=held id=%s missing=%s held=%d", rid, missing, self.held)
+        deadline = started + self.config.hold_seconds
+        outcome = "released"
+        try:
+            while True:
+                now_missing = self._missing_role()
+                if now_missing is None:
+                    return None
+                if now_missing != missing:  # decode came up before prefill, say: count it where it waits now
+                    gauge.labels(missing).dec()
+                    gauge.labels(now_missing).inc()
+                    missing = now_missing
+                if time.monotonic() >= deadline:
+                    if missing == "prefill":
+                        outcome = "decode_computes"
+                        log.warning("event=hold_expired id=%s missing=prefill action=decode_computes", rid)
+                        return None
+                    outcome = "expired"
+                    self.metrics.failures.labels("hold_expired").inc()
+                    log.warning("event=hold_expired id=%s missing=%s hold_s=%g action=503", rid, missing,
+                                self.config.hold_seconds)
+                    return self._unavailable(f"no {missing} engine became ready within {self.config.hold_seconds:g}"
+                                             " s (--hold-seconds): the engines are still starting; retry later")
+                await asyncio.sleep(HOLD_POLL_SECONDS)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.held -= 1
+            gauge.labels(missing).dec()
+            waited = time.monotonic() - started
+            self.metrics.hold_seconds.observe(waited)
+            log.info("event=hold_ended id=%s outcome=%s waited_s=%.3f", rid, outcome, waited)
+
+    def _unavailable(self, message: str) -> web.Response:
+        response = _error(503, message, kind="service_unavailable")
+        response.headers["Retry-After"] = str(HOLD_RETRY_AFTER_SECONDS)
+        return response
 
     # -- steps -------------------------------------------------------------------------------------
 

@@ -1,0 +1,166 @@
+"""The router holds requests while no engine is ready (scale from zero), with real sim engines started late.
+
+The router runs in the test's event loop on a loopback port (its discovery fed by a lister the test
+controls, as EndpointSlices would be); the engines are real ``daybreak sim-engine`` processes, started
+only after the request arrived. The planner reads the held-requests gauge with its own parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from daybreak.api.metric_names import HELD_REQUESTS
+from daybreak.operator.planner import parse_held
+from daybreak.serving.router.discovery import RolePods
+from daybreak.serving.router.server import HOLD_RETRY_AFTER_SECONDS, Router, RouterConfig
+from daybreak.serving.sim.server import output_text
+from daybreak.testing.serving_stack import Stack, metric_sum
+from daybreak.testing.store_agent import free_port
+
+PROMPT = {"prompt": "a prompt that waits for engines to start. " * 4, "max_tokens": 4}
+
+
+class Endpoints:
+    """What discovery lists for one role: empty until the test says the pods are ready."""
+
+    def __init__(self) -> None:
+        self.ready: dict[str, str | None] = {}
+
+    async def __call__(self) -> dict[str, str | None]:
+        return dict(self.ready)
+
+
+async def _serving(config: RouterConfig, body: Callable[[str, Endpoints, Endpoints], Awaitable[None]]) -> None:
+    prefill, decode = Endpoints(), Endpoints()
+    router = Router(config=config, prefill=RolePods("prefill", lister=prefill, refresh_seconds=0.1),
+                    decode=RolePods("decode", lister=decode, refresh_seconds=0.1))
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await body(f"http://127.0.0.1:{port}", prefill, decode)
+    finally:
+        await runner.cleanup()
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as r:
+        return await r.text()
+
+
+async def _held(session: aiohttp.ClientSession, url: str) -> float | None:
+    return parse_held(await _metrics(session, url))
+
+
+async def _until(what: str, check: Callable[[], Awaitable[bool]], *, seconds: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not await check():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any] | None = None
+                ) -> tuple[int, dict[str, str], bytes]:
+    async with session.post(f"{url}/v1/completions", json=body or PROMPT) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+def test_a_request_sent_with_no_engines_is_held_and_answered_once_they_are_ready(tmp_path: Path) -> None:
+    stack = Stack(tmp_path / "stack")
+
+    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+        async with aiohttp.ClientSession() as session:
+            # A router that can hold reports the gauge at 0 before anything is held: the planner may go to zero.
+            assert await _held(session, url) == 0.0
+            async with session.get(f"{url}/health") as r:
+                assert r.status == 200, "a router at zero engines must stay Ready, or nothing reaches it"
+            request = asyncio.create_task(_post(session, url))
+            await _until("the request to be held", lambda: _is_held(session, url, 1.0))
+            assert not request.done()
+            metrics = await _metrics(session, url)
+            assert metric_sum(metrics, HELD_REQUESTS + '{role="decode"}') == 1.0
+            # The engines start only now (as the planner's pods would), and discovery lists them once up.
+            engines = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False),
+                                           asyncio.to_thread(stack.engine, "decode", pool=False))
+            prefill.ready = {engines[0].address: None}
+            decode.ready = {engines[1].address: None}
+            status, _, raw = await asyncio.wait_for(request, 60)
+            assert status == 200, raw
+            assert json.loads(raw)["choices"][0]["text"] == output_text(4)
+            assert await _held(session, url) == 0.0
+            assert metric_sum(await _metrics(session, url), "daybreak_router_hold_seconds_count") == 1.0
+
+    try:
+        asyncio.run(_serving(RouterConfig(hold_queue=4, hold_seconds=120), scenario))
+    finally:
+        stack.close()
+
+
+async def _is_held(session: aiohttp.ClientSession, url: str, count: float) -> bool:
+    return await _held(session, url) == count
+
+
+def test_a_full_hold_queue_answers_503_with_retry_after_and_a_gone_client_frees_its_slot() -> None:
+    async def scenario(url: str, _prefill: Endpoints, _decode: Endpoints) -> None:
+        async with aiohttp.ClientSession() as watcher:
+            first = aiohttp.ClientSession()
+            held = asyncio.create_task(_post(first, url))
+            await _until("the first request to be held", lambda: _is_held(watcher, url, 1.0))
+            status, headers, raw = await _post(watcher, url)
+            assert status == 503, raw
+            assert headers["Retry-After"] == str(HOLD_RETRY_AFTER_SECONDS)
+            assert b"--hold-queue" in raw
+            # The held client goes away: its slot is free again, and the next request is held, not refused.
+            held.cancel()
+            await first.close()
+            await _until("the slot to be freed", lambda: _is_held(watcher, url, 0.0))
+            again = asyncio.create_task(_post(watcher, url))
+            await _until("the next request to be held", lambda: _is_held(watcher, url, 1.0))
+            again.cancel()
+
+    asyncio.run(_serving(RouterConfig(hold_queue=1, hold_seconds=120), scenario))
+
+
+def test_a_hold_past_its_deadline_answers_503_with_retry_after() -> None:
+    async def scenario(url: str, _prefill: Endpoints, _decode: Endpoints) -> None:
+        async with aiohttp.ClientSession() as session:
+            status, headers, raw = await _post(session, url)
+            assert status == 503, raw
+            assert headers["Retry-After"] == str(HOLD_RETRY_AFTER_SECONDS)
+            assert b"--hold-seconds" in raw
+            metrics = await _metrics(session, url)
+            assert metric_sum(metrics, 'daybreak_router_request_failures_total{reason="hold_expired"}') == 1.0
+            assert parse_held(metrics) == 0.0
+
+    asyncio.run(_serving(RouterConfig(hold_queue=4, hold_seconds=0.5), scenario))
+
+
+def test_without_holding_there_is_no_gauge_and_no_readiness_at_zero() -> None:
+    """``--hold-queue 0``: the old behaviour, and the planner (no gauge) keeps a pod per role."""
+
+    async def scenario(url: str, _prefill: Endpoints, _decode: Endpoints) -> None:
+        async with aiohttp.ClientSession() as session:
+            assert await _held(session, url) is None
+            async with session.get(f"{url}/health") as r:
+                assert r.status == 503
+
+    asyncio.run(_serving(RouterConfig(hold_queue=0), scenario))
+
+
+def test_the_hold_flags_refuse_bad_values_naming_the_flag() -> None:
+    for flags, name in ((["--hold-seconds", "0"], "--hold-seconds"), (["--hold-queue", "-1"], "--hold-queue")):
+        done = subprocess.run([sys.executable, "-m", "daybreak", "router", "--decode-endpoints", "127.0.0.1:1",
+                               *flags], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0
+        assert name in done.stderr, done.stderr
