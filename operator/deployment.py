@@ -43,7 +43,7 @@ from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import (
+from daybreak.operator.pool_policy import (
     ENGINE_SECCOMP,
     OPERATOR_ENV_PREFIX,
     PolicyError,

@@ -50,7 +50,7 @@ from daybreak.api.kvpool import KVPool, Transport
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
+from daybreak.operator.pool_policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
 
 AGENT_APP = "daybreak-agent"
 AGENT_COMPONENT = "agent"

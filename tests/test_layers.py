@@ -33,7 +33,7 @@ OPERATOR_MAY_READ = ("daybreak.agent.settings",)
 # (state, status writer, rollout), and the planner reaches the PDDeployment reconciler only through the
 # submit_scale callable the term hands it. Modules not named here are not checked.
 OPERATOR_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "policy", "planner",
+    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "pool_policy", "planner",
      "metrics_scrape", "children"),
     ("pool", "deployment"),
     ("state",),
