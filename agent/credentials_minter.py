@@ -21,13 +21,13 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from daybreak.api.base import GROUP, VERSION
+from daybreak.api.labels import GROUP, PDDEPLOYMENT_PLURAL, VERSION
 from daybreak.pool.credentials import NAMESPACE_PATTERN
 from daybreak.pool.engine_secret import credential_secret_name, engine_credential_secret
 
 log = logging.getLogger(__name__)
 
-PLURAL = "pddeployments"
+PLURAL = PDDEPLOYMENT_PLURAL
 MAX_BACKOFF_SECONDS = 30.0
 WATCH_SECONDS = 300  # a fresh list this often re-mints anything missed (e.g. a Secret deleted by hand)
 

@@ -18,9 +18,11 @@ from typing import Any
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
 
+from daybreak.api.labels import GROUP, KVPOOL_PLURAL, VERSION
+
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "daybreak.dev", "v1alpha1", "kvpools"
+PLURAL = KVPOOL_PLURAL
 MAX_BACKOFF_SECONDS = 30.0
 
 

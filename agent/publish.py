@@ -27,6 +27,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from daybreak.agent.registration import MemoryRegistrar, Segment
 from daybreak.agent.topology import Topology
+from daybreak.api import labels as vocab
 from daybreak.api.base import GROUP, VERSION
 from daybreak.api.kube import Condition, ConditionStatus
 from daybreak.api.node import (
@@ -51,14 +52,14 @@ log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "daybreak-agent"
 APPLY = "application/apply-patch+yaml"
-LABEL_ACCELERATOR = "daybreak.dev/accelerator"
-LABEL_COUNT = "daybreak.dev/accelerator-count"
-LABEL_MEMORY = "daybreak.dev/accelerator-memory"
-LABEL_RDMA = "daybreak.dev/rdma"
-LABEL_GDR = "daybreak.dev/gdr"
-LABEL_LINK_DOMAIN = "daybreak.dev/link-domain"
-LABELS = (LABEL_ACCELERATOR, LABEL_COUNT, LABEL_MEMORY, LABEL_RDMA, LABEL_GDR, LABEL_LINK_DOMAIN)
-KVNODE_PLURAL = "kvnodes"
+LABEL_ACCELERATOR = vocab.ACCELERATOR
+LABEL_COUNT = vocab.ACCELERATOR_COUNT
+LABEL_MEMORY = vocab.ACCELERATOR_MEMORY
+LABEL_RDMA = vocab.RDMA
+LABEL_GDR = vocab.GDR
+LABEL_LINK_DOMAIN = vocab.LINK_DOMAIN
+LABELS = vocab.NODE_LABELS
+KVNODE_PLURAL = vocab.KVNODE_PLURAL
 
 # What the agent's ServiceAccount needs, per node (the chart renders one binding per node or uses a
 # node-authorizer-like webhook; resourceNames pins each rule to the agent's own objects).
@@ -213,9 +214,9 @@ class NodePublisher:
     async def apply_kvnode(self, status: KVNodeStatus) -> None:
         """Create-or-update the object (owned by the Node, so it is collected with it), then its status."""
         obj = KVNode(spec=KVNodeSpec(node_name=self.node_name))
-        meta = {"name": self.node_name, "labels": {"app.kubernetes.io/name": "daybreak",
-                                                   "app.kubernetes.io/component": "agent",
-                                                   "app.kubernetes.io/managed-by": FIELD_MANAGER},
+        meta = {"name": self.node_name, "labels": {vocab.NAME: "daybreak",
+                                                   vocab.COMPONENT: "agent",
+                                                   vocab.MANAGED_BY: FIELD_MANAGER},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.node_name,
                                      "uid": await self.node_uid()}]}
         body = {"apiVersion": obj.api_version, "kind": obj.kind, "metadata": meta, "spec": obj.spec.to_dict()}

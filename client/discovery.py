@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from daybreak.api.labels import API_VERSION, KVPOOL_PLURAL
 from daybreak.errors import DaybreakError
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def endpoints_from_pool(obj: Mapping[str, Any]) -> list[str]:
 
 def pool_path(namespace: str, pool: str) -> str:
     """The API path of a KVPool."""
-    return f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}"
+    return f"/apis/{API_VERSION}/namespaces/{namespace}/{KVPOOL_PLURAL}/{pool}"
 
 
 async def pool_endpoints(api: ApiClient, *, namespace: str, pool: str) -> list[str]:

@@ -22,6 +22,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from daybreak.api import labels as vocab
 from daybreak.errors import DaybreakError
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,9 @@ CLUSTERROLE = ResourceKind("rbac.authorization.k8s.io", "v1", "clusterroles", "C
 CLUSTERROLEBINDING = ResourceKind("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding",
                                   namespaced=False)
 LEASE = ResourceKind("coordination.k8s.io", "v1", "leases", "Lease")
-KVPOOL = ResourceKind("daybreak.dev", "v1alpha1", "kvpools", "KVPool")
-PDDEPLOYMENT = ResourceKind("daybreak.dev", "v1alpha1", "pddeployments", "PDDeployment")
-KVNODE = ResourceKind("daybreak.dev", "v1alpha1", "kvnodes", "KVNode", namespaced=False)
+KVPOOL = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.KVPOOL_PLURAL, vocab.KVPOOL_KIND)
+PDDEPLOYMENT = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.PDDEPLOYMENT_PLURAL, vocab.PDDEPLOYMENT_KIND)
+KVNODE = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.KVNODE_PLURAL, vocab.KVNODE_KIND, namespaced=False)
 
 KINDS: dict[str, ResourceKind] = {
     k.kind: k for k in (CONFIGMAP, SECRET, SERVICE, SERVICEACCOUNT, POD, EVENT, NODE, NAMESPACE, DEPLOYMENT,

@@ -21,8 +21,8 @@ import pytest
 
 from daybreak.client import KVPoolClient
 from daybreak.connectors.blocks import EngineLayout
-from daybreak.testing.vllm_server import VllmServer, daybreak_transfer_config
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
+from daybreak.testing.vllm_server import VllmServer, daybreak_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from daybreak.api import labels as vocab
 from daybreak.devenv import prometheus as prometheus_mod
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
 from daybreak.devenv.demo import steps
@@ -106,7 +107,7 @@ def run(*, seconds: float, out_json: Path | None, hold: bool, prometheus: bool =
                 prom = _start_prometheus(cluster, wanted=prometheus or after is not None,
                                          required=after is not None)
                 steps.kubectl(cluster, "get", "nodes", "-L",
-                              "daybreak.dev/accelerator,daybreak.dev/accelerator-count")
+                              f"{vocab.ACCELERATOR},{vocab.ACCELERATOR_COUNT}")
                 steps.install_chart(cluster)
                 url = steps.apply_examples(cluster)
                 if prom is not None:

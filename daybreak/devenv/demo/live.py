@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from daybreak.api import labels as vocab
 from daybreak.devenv.demo.workload import Workload
 from daybreak.serving.load.summary import percentile
 
@@ -186,13 +187,13 @@ class Sampler:
             name, ip = pod["metadata"]["name"], (pod.get("status") or {}).get("podIP")
             if not ip:
                 continue
-            if labels.get("daybreak.dev/deployment") == self.deployment and \
-                    labels.get("daybreak.dev/role") in ("prefill", "decode"):
+            if labels.get(vocab.DEPLOYMENT) == self.deployment and \
+                    labels.get(vocab.ROLE) in ("prefill", "decode"):
                 text = self._scrape(f"http://{ip}:8000/metrics")
                 per_pod = self.kv_bytes.setdefault(name, {})
                 for direction, value in _KV_BYTES.findall(text):
                     per_pod[direction] = max(per_pod.get(direction, 0.0), float(value))
-            elif labels.get("app.kubernetes.io/name") == "daybreak-agent":
+            elif labels.get(vocab.NAME) == "daybreak-agent":
                 ports = [p.get("containerPort") for c in pod["spec"].get("containers") or []
                          for p in c.get("ports") or [] if p.get("name") == "metrics"]
                 if not ports:
