@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.agent.settings import AgentSettings
+from daybreak.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -427,8 +428,7 @@ def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> in
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    setup_logging(args.log_level)
     try:
         settings = settings_from(args)
     except ValueError as exc:

@@ -1,6 +1,6 @@
 """The import layers a newcomer can read from the tree, checked on every module's imports (``ast``).
 
-Lowest first: ``daybreak.errors`` (the exception root) and ``daybreak.api``
+Lowest first: ``daybreak.errors`` (the exception root), ``daybreak.logs`` (the one logging set-up) and ``daybreak.api``
 (models, no I/O) <- ``daybreak.pool`` (the pool's contract) <-
 ``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which reads
 ``agent/settings.py`` only) <- the CLI (the ``daybreak/`` folder),
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Modules of the daybreak/ folder that are not CLI wiring: the lowest layer.
-BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.version"}
+BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.logs", "daybreak.version"}
 # The one documented crossing between the two logic packages.
 OPERATOR_MAY_READ = ("daybreak.agent.settings",)
 # Inside the operator, lowest first: a module imports from its own layer or lower ones only. The

@@ -16,8 +16,9 @@ import re
 import textwrap
 from pathlib import Path
 
-from daybreak.api import labels
 from test_layers import REPO, _modules
+
+from daybreak.api import labels
 
 VOCABULARY_MODULE = "daybreak.api.labels"
 

@@ -42,6 +42,7 @@ from daybreak.devenv.demo import steps
 from daybreak.devenv.demo import summary as summary_mod
 from daybreak.devenv.demo.live import Sampler
 from daybreak.devenv.demo.workload import Workload
+from daybreak.logs import setup_logging
 from daybreak.serving.load.trace import SYNTHETIC_TRACE
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.WARNING)
     scripted = "DEMO_SECONDS" in os.environ
     try:
         seconds = float(os.environ.get("DEMO_SECONDS") or DEFAULT_SECONDS)
