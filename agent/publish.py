@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -46,6 +44,7 @@ from daybreak.api.node import (
     NodeTierBytes,
     NodeTransport,
 )
+from daybreak.client.kubeconfig import load_kube_config
 from daybreak.version import __version__
 
 log = logging.getLogger(__name__)
@@ -174,14 +173,8 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
 
 async def load_client(kubeconfig: str) -> k8s_client.ApiClient:
     """An ApiClient from a kubeconfig file (``$KUBECONFIG`` when ``kubeconfig`` is empty), else in-cluster."""
-    # The local process kubelet hands each pod a KUBECONFIG of its ServiceAccount instead of a mounted token.
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG", "")
-    configuration = k8s_client.Configuration()
-    if kubeconfig:
-        await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        k8s_config.load_incluster_config(client_configuration=configuration)
-    api = k8s_client.ApiClient(configuration)
+    loaded = await load_kube_config(kubeconfig or None)  # "" in the agent's settings: not set
+    api = k8s_client.ApiClient(loaded.configuration)
     api.user_agent = f"daybreak-agent/{__version__}"
     return api
 

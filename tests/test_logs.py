@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from test_layers import REPO, _modules
 
 from daybreak.logs import setup_logging
-from test_layers import REPO, _modules
 
 # serving/router/ was being reworked by another branch when the set-up was folded: it still calls
 # basicConfig itself (same key=value fields but level/logger unnamed). Empty this once it calls setup_logging.
