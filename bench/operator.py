@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from daybreak.api import labels as vocab
+from daybreak.api.metrics import OPERATOR_APISERVER_ERRORS, OPERATOR_RECONCILES, total
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
 from daybreak.testing.operator_process import OperatorProcess
 
@@ -174,7 +175,7 @@ def _phase(cluster: LocalCluster, op: OperatorProcess, args: argparse.Namespace,
     names = [f"pdd-{i:04d}" for i in range(args.deployments)]
     pids = {"operator": op.pid, **{k: v for k, v in cluster.pids().items() if k in ("kube-apiserver", "etcd")}}
     cpu_before = {k: _cpu_seconds(p) for k, p in pids.items()}
-    reconciles_before = op.metric("daybreak_operator_reconciles_total")
+    reconciles_before = op.metric(total(OPERATOR_RECONCILES))
     created: dict[str, float] = {}
     started = time.monotonic()
 
@@ -217,8 +218,8 @@ def _phase(cluster: LocalCluster, op: OperatorProcess, args: argparse.Namespace,
         "create_seconds": round(created_all, 2), "total_seconds": round(max(finished.values()) - started, 2),
         "p50_seconds": round(statistics.median(latencies), 3), "p99_seconds": round(_percentile(latencies, 0.99), 3),
         "max_seconds": round(max(latencies), 3), "rss_mb": 0.0,
-        "reconciles": int(op.metric("daybreak_operator_reconciles_total") - reconciles_before),
-        "apiserver_errors": int(op.metric("daybreak_operator_apiserver_errors_total")),
+        "reconciles": int(op.metric(total(OPERATOR_RECONCILES)) - reconciles_before),
+        "apiserver_errors": int(op.metric(total(OPERATOR_APISERVER_ERRORS))),
         "cpu_seconds": {k: round(_cpu_seconds(p) - cpu_before[k], 1) for k, p in pids.items()},
     }
 

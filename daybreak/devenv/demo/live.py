@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from daybreak.api import labels as vocab
+from daybreak.api.metrics import ENGINE_KV_BYTES, STORE_BYTES, total
 from daybreak.devenv.demo.workload import Workload
 from daybreak.serving.load.summary import percentile
 
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "router")
 _EVENT = re.compile(r"^(?P<role>prefill|decode) (?P<from>\d+) -> (?P<to>\d+): (?P<reason>.*)$", re.S)
-_KV_BYTES = re.compile(r'^daybreak_engine_kv_bytes_total\{[^}]*direction="(read|written)"[^}]*\}\s+(\S+)$', re.M)
-_STORE_BYTES = re.compile(r'^daybreak_store_bytes_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$', re.M)
+_KV_BYTES = re.compile("^" + total(ENGINE_KV_BYTES) + r'\{[^}]*direction="(read|written)"[^}]*\}\s+(\S+)$', re.M)
+_STORE_BYTES = re.compile("^" + total(STORE_BYTES) + r'\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 MAX_METRICS_BYTES = 4 << 20
 
