@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,6 +45,7 @@ from daybreak.api.node import (
     NodeTransport,
 )
 from daybreak.client.kubeconfig import load_kube_config
+from daybreak.client.kubewatch import watch_with_backoff
 from daybreak.version import __version__
 
 log = logging.getLogger(__name__)
@@ -231,21 +232,25 @@ class NodePublisher:
         """Set ``drifted`` whenever this node's daybreak labels differ from ``desired`` (which the caller
         updates in place). Watches ONLY this node (field selector), restarting after each server timeout."""
         selector = f"metadata.name={self.node_name}"
-        while True:
-            try:
-                async with k8s_watch.Watch().stream(self._core.list_node, field_selector=selector,
-                                                    timeout_seconds=timeout_seconds) as stream:
-                    async for event in stream:
-                        raw = event.get("raw_object") or {}
-                        labels = (raw.get("metadata") or {}).get("labels") or {}
-                        mine = {k: v for k, v in labels.items() if k in LABELS}
-                        if desired and mine != dict(desired):
-                            log.info("node=%s labels drifted have=%s want=%s", self.node_name, mine, dict(desired))
-                            drifted.set()
-            except ApiException as exc:
-                log.warning("node=%s watch failed status=%s reason=%r; retrying", self.node_name, exc.status,
-                            exc.reason)
-                await asyncio.sleep(5)
-            except Exception as exc:  # connection resets, payload errors: the watch is best effort
-                log.warning("node=%s watch interrupted error=%r; retrying", self.node_name, str(exc))
-                await asyncio.sleep(5)
+
+        async def watch_once(progress: Callable[[], None]) -> None:
+            async with k8s_watch.Watch().stream(self._core.list_node, field_selector=selector,
+                                                timeout_seconds=timeout_seconds) as stream:
+                async for event in stream:
+                    progress()
+                    raw = event.get("raw_object") or {}
+                    labels = (raw.get("metadata") or {}).get("labels") or {}
+                    mine = {k: v for k, v in labels.items() if k in LABELS}
+                    if desired and mine != dict(desired):
+                        log.info("node=%s labels drifted have=%s want=%s", self.node_name, mine, dict(desired))
+                        drifted.set()
+
+        def failed(exc: BaseException, retry_in: float) -> None:
+            # connection resets, payload errors, API refusals: the watch is best effort and retried
+            if isinstance(exc, ApiException):
+                log.warning("node=%s watch failed status=%s reason=%r retry_in=%.0fs", self.node_name, exc.status,
+                            exc.reason, retry_in)
+            else:
+                log.warning("node=%s watch interrupted error=%r retry_in=%.0fs", self.node_name, str(exc), retry_in)
+
+        await watch_with_backoff(watch_once, on_failure=failed)
