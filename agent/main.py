@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.agent.settings import AgentSettings
+from daybreak.api.metrics import STORE_BYTES, total
 from daybreak.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram", help="DRAM tier size, e.g. 2Gi")
     parser.add_argument("--ssd-path", help="directory for the SSD tier")
     parser.add_argument("--ssd", help="SSD tier size, e.g. 8Gi (needs --ssd-path)")
-    parser.add_argument("--hbm", help="HBM tier size on device 0, e.g. 4Gi (needs an accelerator runtime)")
+    parser.add_argument("--hbm", help="HBM tier size on every accelerator device, e.g. 4Gi (needs an accelerator "
+                        "runtime)")
     parser.add_argument("--peers", help="comma-separated ADDR:PORT of the other agents of the pool")
     parser.add_argument("--replicas", type=int, help="copies of each block")
     parser.add_argument("--token-file", help="file holding the pool token (created when missing)")
@@ -90,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pin-seconds", type=int, help="longest soft pin a writer may ask for")
     parser.add_argument("--orphan-seconds", type=float, help="remove ownerless /dev/shm tiers and SSD directories "
                         "idle this long")
+    parser.add_argument("--transports", help="comma-separated transports this agent may use, most preferred first "
+                        "(rdma,link,shm,tcp; default all)")
     parser.add_argument("--log-level", default=os.environ.get("DAYBREAK_LOG_LEVEL", "INFO"))
 
 
@@ -113,6 +117,7 @@ def settings_from(args: argparse.Namespace) -> AgentSettings:
         "max_connections_per_credential": args.max_connections_per_credential,
         "namespace_held_fraction": args.namespace_held_fraction,
         "namespace_pinned_fraction": args.namespace_pinned_fraction, "max_pin_seconds": args.max_pin_seconds,
+        "transports": [t for t in args.transports.split(",") if t] if args.transports is not None else None,
         **sizes,
     }
     settings = AgentSettings.load(config_file=args.config, overrides=overrides)
@@ -178,7 +183,11 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
         loaded = load_runtime(settings.runtime, sunrise_lib_dir=settings.sunrise_lib_dir)
         if loaded.runtime.devices():
             runtime = loaded.runtime
-            hbm = HbmTier(runtime=loaded.runtime, device=0, capacity=settings.hbm_bytes)
+            # hbm_bytes on every device the runtime reports (KVPool spec.tiers.hbm.bytesPerDevice).
+            hbm = HbmTier(runtime=loaded.runtime, devices=[d.index for d in loaded.runtime.devices()],
+                          capacity=settings.hbm_bytes)
+            log.info("event=hbm_tier devices=%s bytes_per_device=%d bytes=%d",
+                     ",".join(str(d) for d in hbm.devices), hbm.per_device, hbm.capacity)
         else:
             log.warning("event=hbm_disabled reason=%r", "no accelerator runtime loaded: " +
                         "; ".join(f"{k}: {v}" for k, v in loaded.skipped.items()))
@@ -210,7 +219,8 @@ def build_store(settings: AgentSettings, *, token: bytes) -> Any:
                                        max_connections_per_address=settings.max_connections_per_address,
                                        max_connections_per_credential=settings.max_connections_per_credential),
                          tls=tls.server if tls else None,
-                         peer_tls=tls.client if tls else None, datapath=datapath)
+                         peer_tls=tls.client if tls else None, datapath=datapath,
+                         offer_shm="shm" in settings.transports)
     return server
 
 
@@ -337,14 +347,35 @@ def _store_hooks(server: Any) -> dict[str, Any]:
     def segments() -> list[Any]:
         return [host_segment(seg.name, seg.buffer) for seg in store.shm_segments()]
 
-    hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage}
+    hooks: dict[str, Any] = {"store_segments": segments, "tier_usage": store.usage,
+                             # what the tiers really allocated (HBM: per device, summed), not settings x devices
+                             "tier_capacity": lambda: {name: tier.capacity for name, tier in store.tiers.items()}}
     ledger = getattr(server, "flush_ledger", None)
     if ledger is not None:  # what this agent freed for its KVPool's status.flushRequests, for KVNode
         hooks["namespace_flushes"] = ledger.reports
     datapath = getattr(server, "datapath", None)
     if datapath is not None:  # per-transport conditions and the engine's segments, for KVNode
-        hooks["transfer_state"] = lambda: (datapath.preflight.conditions(), datapath.descriptors())
+        hooks["transfer_state"] = lambda: (_with_store_bytes(datapath.preflight.conditions(), store.metrics),
+                                           datapath.descriptors())
     return hooks
+
+
+def _with_store_bytes(conditions: list[dict[str, Any]], metrics: Any) -> list[dict[str, Any]]:
+    """Each engine transport's condition plus the block bytes the store itself moved over it (``storeBytes``).
+
+    The store's own paths are the same-node memcpy (shm) and its stream (tcp; tls counts as tcp here):
+    KVNode then shows every byte the agent moved per transport, not only the engine's one-sided ones.
+    """
+    def moved(label: str) -> int:
+        return int(sum(metrics.registry.get_sample_value(total(STORE_BYTES),
+                                                         {"transport": label, "op": op}) or 0
+                       for op in ("read", "write")))
+
+    out = []
+    for condition in conditions:
+        labels = ("tcp", "tls") if condition["transport"] == "tcp" else (condition["transport"],)
+        out.append({**condition, "storeBytes": sum(moved(label) for label in labels)})
+    return out
 
 
 async def _follow_members(settings: AgentSettings, server: Any, stop: asyncio.Event) -> None:

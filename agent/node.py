@@ -44,8 +44,10 @@ class NodeAgent:
     def __init__(self, settings: AgentSettings, *, store_segments: SegmentSource | None = None,
                  tier_usage: UsageSource | None = None, registrar_factory: RegistrarFactory | None = None,
                  transfer_state: Callable[[], Any] | None = None,
-                 namespace_flushes: Callable[[], Any] | None = None) -> None:
+                 namespace_flushes: Callable[[], Any] | None = None,
+                 tier_capacity: Callable[[], dict[str, int]] | None = None) -> None:
         self.settings = settings
+        self._capacity = tier_capacity  # the store's allocated bytes per tier, when it runs in this process
         self._flushes: Callable[[], Any] = namespace_flushes or (lambda: [])
         # The store's transfer engine: (per-transport conditions, segment descriptors) for KVNode
         self._transfer: Callable[[], Any] = transfer_state or (lambda: ([], []))
@@ -103,6 +105,8 @@ class NodeAgent:
         await self.sync_segments()
 
     def capacity(self) -> dict[str, int]:
+        if self._capacity is not None:
+            return {"dram": 0, "ssd": 0, "hbm": 0} | dict(self._capacity())
         s = self.settings
         devices = len(self.loaded.runtime.devices()) if self.loaded else 0
         return {"dram": s.dram_bytes, "ssd": s.ssd_bytes if s.ssd_path else 0, "hbm": s.hbm_bytes * devices}
@@ -174,7 +178,8 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
                          started: Callable[[NodeAgent], None] | None = None,
                          registrar_factory: RegistrarFactory | None = None,
                          transfer_state: Callable[[], Any] | None = None,
-                         namespace_flushes: Callable[[], Any] | None = None) -> None:
+                         namespace_flushes: Callable[[], Any] | None = None,
+                         tier_capacity: Callable[[], dict[str, int]] | None = None) -> None:
     """Cluster mode: discover -> register -> publish, refreshing until ``stop``; always cleans up.
 
     ``started`` is called once discovery and registration are done (the process main can hand the
@@ -184,7 +189,7 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
     stop = stop or asyncio.Event()
     agent = NodeAgent(settings, store_segments=store_segments, tier_usage=tier_usage,
                       registrar_factory=registrar_factory, transfer_state=transfer_state,
-                      namespace_flushes=namespace_flushes)
+                      namespace_flushes=namespace_flushes, tier_capacity=tier_capacity)
     try:
         await agent.start()
         if started is not None:

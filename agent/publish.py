@@ -151,7 +151,8 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
                       message=f"{len(accelerators)} accelerator(s), {len(nics)} RDMA NIC(s); {registrar.status}",
                       last_transition_time=ready_since or now)
     transports = [NodeTransport(transport=t["transport"], state=t["state"], reason=t.get("reason", ""),
-                                bytes_used=t.get("bytesUsed", 0), bytes_fell_back=t.get("bytesFellBack", 0))
+                                bytes_used=t.get("bytesUsed", 0), store_bytes=t.get("storeBytes", 0),
+                                bytes_fell_back=t.get("bytesFellBack", 0))
                   for t in transfer]
     conditions = [ready] + [
         Condition(type=f"Transport{t.transport.capitalize()}",
@@ -165,7 +166,10 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
         links=[NodeLink(a=p.a, b=p.b, link=p.link) for p in topo.pairs],
         nic_rank=dict(topo.nic_rank), gdr=dict(topo.gdr), peer_memory=list(topo.peer_memory),
         rdma=NodeRdma(available=registrar.rdma, reason=registrar.reason, nics=list(registrar.nic_names)),
-        transports=registrar.transports(), segments=node_segments,
+        # What the agent's transfer engine really brought up (the pool's list, less what cannot run here);
+        # without an engine, the registrar's view of this node.
+        transports=[t.transport for t in transports] if transports else registrar.transports(),
+        segments=node_segments,
         capacity=NodeTierBytes(**dict(capacity or {})), used=NodeTierBytes(**dict(used or {})),
         agent_version=__version__, heartbeat_time=now.isoformat().replace("+00:00", "Z"), conditions=conditions,
         transfer=transports, engine_segments=list(engine_segments), namespace_flushes=list(namespace_flushes),

@@ -55,8 +55,6 @@ class DRAMTier(ApiModel):
     """Serve this tier. Leaving the tier out disables it as well."""
     bytes_per_node: ByteQuantity
     """Host memory per node given to the pool (quantity, e.g. 64Gi)."""
-    huge_pages: bool = False
-    """Back the segments with 2 MiB huge pages (the node must have them reserved)."""
 
 
 class SSDTier(ApiModel):
@@ -86,7 +84,8 @@ class Tiers(ApiModel):
     hbm: HBMTier | None = None
     """Accelerator memory tier."""
     dram: DRAMTier | None = None
-    """Host memory tier."""
+    """Host memory tier. Not backed by huge pages: the former hugePages field did nothing and was removed (a
+    manifest that sets it is refused as an unknown field)."""
     ssd: SSDTier | None = None
     """Local SSD tier."""
 
@@ -111,7 +110,7 @@ class Eviction(ApiModel):
     )
 
     policy: EvictionPolicy = EvictionPolicy.LRU
-    """Which blocks go first: lru (least recently used) or s3fifo (scan-resistant FIFO queues)."""
+    """Which blocks go first, in every tier: lru (least recently used) or s3fifo (scan-resistant FIFO queues)."""
     high_watermark: float = Field(default=0.9, gt=0, le=1)
     """Fill fraction of a tier at which eviction starts."""
     low_watermark: float = Field(default=0.8, ge=0, lt=1)
@@ -252,7 +251,10 @@ class Endpoint(ApiModel):
     port: int = Field(ge=1, le=65535)
     """Store protocol port."""
     transports: list[Transport] = Field(default_factory=list)
-    """Transports this agent offers."""
+    """Transports this agent runs, as it reported them on its node's KVNode (empty until it reports)."""
+    bytes_moved: dict[str, int] = Field(default_factory=dict)
+    """Block bytes the agent moved per transport since it started, its transfer engine's and its store's own
+    (its KVNode's status.transfer: bytesUsed + storeBytes)."""
 
 
 class FlushRequest(ApiModel):

@@ -148,6 +148,9 @@ class NodeTransport(ApiModel):
     """Why it is degraded (the failed check, or how many bytes fell back to which transport)."""
     bytes_used: int = Field(default=0, ge=0)
     """Bytes completed requests moved over this transport since the agent started."""
+    store_bytes: int = Field(default=0, ge=0)
+    """Block bytes the store itself moved over this transport since the agent started (same-node memcpy for shm,
+    its stream for tcp, TLS included), besides the engine's bytesUsed."""
     bytes_fell_back: int = Field(default=0, ge=0)
     """Bytes of requests that preferred this transport but completed on a later one of their chain."""
 
@@ -195,7 +198,7 @@ class KVNodeStatus(ApiModel):
     rdma: NodeRdma | None = None
     """RDMA registration state."""
     transports: list[str] = Field(default_factory=list)
-    """Transports the node's store offers (rdma, tcp, ...)."""
+    """Transports the node's agent runs (those of the pool's list that came up here: rdma, link, shm, tcp)."""
     segments: list[NodeSegment] = Field(default_factory=list)
     """Memory segments served and their registrations."""
     transfer: list[NodeTransport] = Field(default_factory=list)

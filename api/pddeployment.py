@@ -70,10 +70,19 @@ class EngineSpec(ApiModel):
             field_path=".image",
             reason="FieldValueRequired",
         ),
+        # sglang stays in EngineKind (it names a KV namespace family) but nothing wires it to the pool
+        # yet: refused here, naming the field, rather than rendered as a server that caches nothing.
+        CelRule(
+            rule="self.kind != 'sglang'",
+            message="kind sglang is not supported yet (no pool connector); use vllm or sim",
+            check=lambda e: e.kind != EngineKind.SGLANG,
+            field_path=".kind",
+            reason="FieldValueForbidden",
+        ),
     )
 
     kind: EngineKind
-    """Engine: vllm, sglang, or sim (Daybreak's simulated engine, for tests and demos)."""
+    """Engine: vllm or sim (Daybreak's simulated engine, for tests and demos); sglang is refused until supported."""
     image: str | None = Field(default=None, min_length=1)
     """Engine container image; the sim engine defaults to the operator's own image."""
     args: list[str] = Field(default_factory=list)

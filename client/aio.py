@@ -30,12 +30,13 @@ class AsyncKVPoolClient:
     async def connect(cls, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                       transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
                       verify: bool = True, local_first: bool = True,
-                      tls_ca_file: str | None = None) -> AsyncKVPoolClient:
+                      tls_ca_file: str | None = None,
+                      transports: Sequence[str] | None = None) -> AsyncKVPoolClient:
         """Connect to the pool (see ``KVPoolClient`` for the arguments)."""
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool")
         make = functools.partial(KVPoolClient, endpoints, token=token, namespace=namespace, replicas=replicas,
                                  transport=transport, timeout_seconds=timeout_seconds, verify=verify,
-                                 local_first=local_first, tls_ca_file=tls_ca_file)
+                                 local_first=local_first, tls_ca_file=tls_ca_file, transports=transports)
         try:
             client = await asyncio.get_running_loop().run_in_executor(executor, make)
         except BaseException:

@@ -33,6 +33,11 @@ from daybreak.pool.connection import Connection
 log = logging.getLogger(__name__)
 
 
+# The KVPool API's transport names (api/kvpool.py Transport; the client does not import the API package,
+# tests/operator/test_pool_measured_status.py checks the two agree).
+TRANSPORTS = ("rdma", "link", "shm", "tcp")
+
+
 class Strategy(enum.Enum):
     ENGINE = "engine"
     MEMCPY = "memcpy"
@@ -90,9 +95,12 @@ def device_ref(buffer: Any) -> DeviceRef | None:
 class EngineDataPath:
     """Moves blocks for one client through a transfer engine; remembers each agent's segments."""
 
-    def __init__(self, engine: DataEngine, *, timeout_seconds: float) -> None:
+    def __init__(self, engine: DataEngine, *, timeout_seconds: float,
+                 allowed: Sequence[str] | None = None) -> None:
         self.engine = engine
         self.timeout = timeout_seconds
+        # The pool's transports (None: all): a first route outside them is not taken.
+        self.allowed = frozenset(allowed if allowed is not None else TRANSPORTS)
         self._remotes: dict[str, dict[str, Any]] = {}  # agent -> segment id -> engine remote
         self.used: dict[str, int] = {}  # bytes per transport the engine reported
         # rdma moves only registered memory: host buffers bounce through one registered staging
@@ -114,12 +122,14 @@ class EngineDataPath:
         return found
 
     def choose(self, agent: str, conn: Connection, *, device: bool) -> Strategy:
-        """ENGINE for device buffers and where the engine's first transport is one-sided; else MEMCPY/STREAM."""
+        """ENGINE for device buffers and where the engine's first transport is one-sided and allowed; else
+        MEMCPY/STREAM (the caller's choice between those two honours the allowed list too)."""
         remotes = self.remotes(agent, conn)
         if device:
             return Strategy.ENGINE
         first = {self.engine.route(r)[:1] for r in remotes.values()}
-        if remotes and all(f and f[0] in ("shm", "rdma", "link") for f in first):
+        one_sided = {"shm", "rdma", "link"} & self.allowed
+        if remotes and all(f and f[0] in one_sided for f in first):
             return Strategy.ENGINE
         return Strategy.STREAM
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from daybreak.client.datapath import DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
+from daybreak.client.datapath import TRANSPORTS, DataEngine, DeviceRef, EngineDataPath, Strategy, device_ref
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials
 from daybreak.pool import protocol as p
@@ -33,6 +33,7 @@ from daybreak.pool.tls import client_context
 
 log = logging.getLogger(__name__)
 
+ALL_TRANSPORTS = TRANSPORTS  # default: every one allowed
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DOWN_SECONDS = 2.0
 _MAX_BATCH_KEYS = 1024
@@ -73,6 +74,11 @@ class KVPoolClient:
     or the pool secret (admin, every namespace). ``namespace``: the deployment's kvNamespace; keys of different
     namespaces never collide. ``replicas``: copies written per block (default: the pool's setting).
     ``transport``: ``"auto"`` uses shared memory with same-node agents, ``"tcp"`` never does.
+    ``transports``: the pool's allowed transports, most preferred first (its ``spec.transport.preference``;
+    engine pods get it as ``DAYBREAK_TRANSPORTS``); default all. A data path not listed is never taken:
+    without ``shm`` no agent's segments are mapped, and the engine is used for host buffers only when its
+    first route is listed. An agent whose own list leaves shm out offers no mapping either. The store's
+    stream (tcp) always carries the control and is the path when nothing listed applies.
     ``timeout_seconds``: socket timeout per request. ``verify``: check each block's CRC-32C on read.
     ``local_first``: write the first copy to this node's agent (the first endpoint reached through
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
@@ -89,7 +95,7 @@ class KVPoolClient:
     def __init__(self, endpoints: Sequence[str], *, token: str, namespace: str, replicas: int | None = None,
                  transport: Literal["auto", "tcp"] = "auto", timeout_seconds: float = 30.0,
                  verify: bool = True, local_first: bool = True, tls_ca_file: str | None = None,
-                 engine: DataEngine | None = None) -> None:
+                 engine: DataEngine | None = None, transports: Sequence[str] | None = None) -> None:
         if not endpoints:
             raise ValueError("endpoints: give at least one agent address (host:port)")
         if not _NAMESPACE.fullmatch(namespace):
@@ -98,6 +104,11 @@ class KVPoolClient:
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         if replicas is not None and replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
+        allowed = tuple(transports) if transports is not None else ALL_TRANSPORTS
+        unknown = [t for t in allowed if t not in ALL_TRANSPORTS]
+        if unknown or not allowed:
+            raise ValueError(f"transports: {unknown or 'empty'}: expected a non-empty subset of "
+                             f"{', '.join(ALL_TRANSPORTS)} (the pool's spec.transport.preference)")
         try:
             scope, _ = credentials.parse(token)
         except credentials.CredentialError as exc:
@@ -111,6 +122,7 @@ class KVPoolClient:
         self._token = token.encode()
         self._prefix = namespace + "/"
         self._transport = transport
+        self._allowed = allowed
         self._timeout = timeout_seconds
         self._verify = verify
         self._local_first = local_first
@@ -121,7 +133,8 @@ class KVPoolClient:
         self._maps: dict[str, ShmSegment] = {}
         self._backing: dict[str, Backing] = {}
         self._checker: ThreadPoolExecutor | None = None
-        self._datapath = EngineDataPath(engine, timeout_seconds=timeout_seconds) if engine is not None else None
+        self._datapath = (EngineDataPath(engine, timeout_seconds=timeout_seconds, allowed=allowed)
+                          if engine is not None else None)
         self._members: dict[str, str] = {}  # agent id -> address
         self._refreshed = 0.0
         self._refresh(force=True)
@@ -395,10 +408,10 @@ class KVPoolClient:
         except (RemoteError, AuthenticationFailed) as exc:
             raise KVPoolError(f"agent {address} refused the client: {exc}") from None
         self._conns[agent] = conn
-        self._local[agent] = self._transport == "auto" and self._probe(conn)
+        self._local[agent] = self._transport == "auto" and "shm" in self._allowed and self._probe(conn)
         # A restarted agent may have new segments: drop mappings from before.
         prefix = conn.hello.shm_probe.removesuffix("-probe")
-        for name in [n for n in self._maps if n.startswith(prefix)]:
+        for name in [n for n in self._maps if prefix and n.startswith(prefix)]:
             self._backing.pop(name, None)
             with contextlib.suppress(BufferError):
                 self._maps.pop(name).close()
@@ -406,6 +419,8 @@ class KVPoolClient:
 
     def _probe(self, conn: Connection) -> bool:
         """True when this process maps the agent's /dev/shm (same node): the probe segment holds its nonce."""
+        if not conn.hello.shm_probe:  # the agent offers no shm (its transports leave it out)
+            return False
         try:
             seg = ShmSegment.attach(conn.hello.shm_probe)
         except (OSError, ValueError):

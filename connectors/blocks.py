@@ -35,10 +35,11 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+from daybreak.api.enginepod import EnginePodEnv, EnginePodEnvError
 from daybreak.api.kvcompat import KVDtype, KVLayout, KVPlatform
+from daybreak.client.env import read_pool_token
 from daybreak.errors import DaybreakError
 
 
@@ -70,16 +71,27 @@ class PoolSettings:
     pool_ref: str = ""
     """The KVPool (``NS/NAME``) whose published endpoints these are; empty when they were given directly."""
 
+    transports: tuple[str, ...] = ()
+    """The pool's transports, most preferred first (``DAYBREAK_TRANSPORTS``); empty: all."""
+
+    @property
+    def client_transport(self) -> Literal["auto", "tcp"]:
+        """``KVPoolClient``'s transport: shared memory with same-node agents only when the pool allows shm."""
+        return "auto" if not self.transports or "shm" in self.transports else "tcp"
+
     @classmethod
     def resolve(cls, extra: Mapping[str, Any], env: Mapping[str, str] | None = None, *,
                 discover: Discover | None = None) -> PoolSettings:
-        """From ``kv_connector_extra_config`` first, then the operator's ``DAYBREAK_*`` environment.
+        """From ``kv_connector_extra_config`` first, then the operator's engine-pod contract
+        (``api.enginepod.EnginePodEnv``, parsed from ``env``, by default ``os.environ``).
 
         extra: ``endpoints`` (list or comma string), ``pool_ref`` (``NS/NAME``),
         ``discovery_timeout_seconds``, ``token`` or ``token_file``, ``namespace``, ``kv_layout``
-        (dict or JSON). Environment: ``DAYBREAK_POOL_REF``, ``DAYBREAK_POOL_ENDPOINTS``,
-        ``DAYBREAK_POOL_TOKEN`` (or ``DAYBREAK_POOL_TOKEN_FILE``), ``DAYBREAK_KV_NAMESPACE``,
-        ``DAYBREAK_KV_LAYOUT``, and ``KUBECONFIG`` for the API.
+        (dict or JSON). Environment: the contract's ``DAYBREAK_POOL_REF``, ``DAYBREAK_POOL_ENDPOINTS``,
+        ``DAYBREAK_POOL_TOKEN`` / ``DAYBREAK_POOL_TOKEN_FILE``, ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_KV_LAYOUT``,
+        ``DAYBREAK_TRANSPORTS``, and ``KUBECONFIG`` for the API. The credential follows every engine's one
+        precedence (``client.env.read_pool_token``): a token or token file in ``extra`` replaces the
+        environment's, and within one source the file wins.
 
         Endpoints: ``extra.endpoints`` as given; else the KVPool named by ``pool_ref`` /
         ``DAYBREAK_POOL_REF``, whose ``status.endpoints`` are read through the Kubernetes API
@@ -89,23 +101,27 @@ class PoolSettings:
         else is checked before the pool is looked up, so a bad setting fails at once.
         """
         env = os.environ if env is None else env
-        token = _token(extra, env)
-        namespace = str(extra.get("namespace") or env.get("DAYBREAK_KV_NAMESPACE", "")).strip()
+        try:
+            pod = EnginePodEnv.from_env(env)
+        except EnginePodEnvError as exc:
+            raise ConnectorConfigError(str(exc)) from None
+        token = _token(extra, pod)
+        namespace = str(extra.get("namespace") or pod.kv_namespace).strip()
         if not namespace:
             raise ConnectorConfigError("no kvNamespace: set kv_connector_extra_config.namespace "
                                        "or DAYBREAK_KV_NAMESPACE")
-        raw_layout = extra.get("kv_layout") or env.get("DAYBREAK_KV_LAYOUT")
-        layout = None
+        raw_layout = extra.get("kv_layout")
+        layout = pod.kv_layout
         if raw_layout:
             try:
                 layout = KVLayout.model_validate(json.loads(raw_layout) if isinstance(raw_layout, str)
                                                  else raw_layout)
             except ValueError as exc:
-                raise ConnectorConfigError(f"kv_layout / DAYBREAK_KV_LAYOUT is not a valid kvLayout: {exc}") from exc
+                raise ConnectorConfigError(f"kv_layout is not a valid kvLayout: {exc}") from exc
         endpoints = _endpoints(extra.get("endpoints"))
         pool_ref = ""
         if not endpoints:
-            pool_ref = str(extra.get("pool_ref") or env.get("DAYBREAK_POOL_REF", "")).strip()
+            pool_ref = str(extra.get("pool_ref") or pod.pool_ref).strip()
         if pool_ref:
             timeout = _seconds(extra.get("discovery_timeout_seconds", DISCOVERY_TIMEOUT_SECONDS))
             if discover is None:
@@ -114,12 +130,13 @@ class PoolSettings:
                 discover = discovery.discover_pool_endpoints
             endpoints = tuple(discover(pool_ref, timeout_seconds=timeout, kubeconfig=env.get("KUBECONFIG", "")))
         elif not endpoints:
-            endpoints = _endpoints(env.get("DAYBREAK_POOL_ENDPOINTS", ""))
+            endpoints = tuple(pod.pool_endpoints)
         if not endpoints:
             raise ConnectorConfigError("no pool endpoints: set kv_connector_extra_config.endpoints "
                                        "(['host:port', ...]), DAYBREAK_POOL_REF (NS/NAME of the KVPool) "
                                        "or DAYBREAK_POOL_ENDPOINTS")
-        return cls(endpoints=endpoints, token=token, namespace=namespace, layout=layout, pool_ref=pool_ref)
+        return cls(endpoints=endpoints, token=token, namespace=namespace, layout=layout, pool_ref=pool_ref,
+                   transports=tuple(pod.transports))
 
 
 def _endpoints(raw: Any) -> tuple[str, ...]:
@@ -142,23 +159,20 @@ def _seconds(raw: Any) -> float:
     return value
 
 
-def _token(extra: Mapping[str, Any], env: Mapping[str, str]) -> str:
-    if extra.get("token"):
-        return str(extra["token"]).strip()
-    file = extra.get("token_file") or (None if env.get("DAYBREAK_POOL_TOKEN") else env.get("DAYBREAK_POOL_TOKEN_FILE"))
-    if file:
-        try:
-            token = Path(str(file)).read_text().strip()
-        except OSError as exc:
-            raise ConnectorConfigError(f"token_file {file}: cannot read the pool token ({exc.strerror})") from exc
-        if not token:
-            raise ConnectorConfigError(f"token_file {file} is empty")
-        return token
-    token = env.get("DAYBREAK_POOL_TOKEN", "").strip()
-    if not token:
+def _token(extra: Mapping[str, Any], pod: EnginePodEnv) -> str:
+    """The one precedence (``client.env.read_pool_token``): extra's pair if it gives one, else the env's."""
+    if extra.get("token") or extra.get("token_file"):
+        token, file, source = str(extra.get("token") or ""), str(extra.get("token_file") or ""), "token_file"
+    else:
+        token, file, source = pod.pool_token, pod.pool_token_file, "$DAYBREAK_POOL_TOKEN_FILE"
+    try:
+        value = read_pool_token(token=token, token_file=file, source=source)
+    except EnginePodEnvError as exc:
+        raise ConnectorConfigError(str(exc)) from None
+    if not value:
         raise ConnectorConfigError("no pool token: set kv_connector_extra_config.token_file (or token) "
                                    "or DAYBREAK_POOL_TOKEN")
-    return token
+    return value
 
 
 # -- layout -------------------------------------------------------------------------------------------

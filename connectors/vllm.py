@@ -164,7 +164,9 @@ class DaybreakConnector(KVConnectorBase_V1):
             # vLLM's default fails the request on a load error; a cache miss must only cost time.
             transfer.kv_load_failure_policy = policy
         self._client = KVPoolClient(list(self._settings.endpoints), token=self._settings.token,
-                                    namespace=self._settings.namespace, tls_ca_file=pool_tls_ca_file())
+                                    namespace=self._settings.namespace, tls_ca_file=pool_tls_ca_file(),
+                                    transport=self._settings.client_transport,
+                                    transports=self._settings.transports or None)
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
         # request id -> (first block to load, blocks loadable from it, leading blocks in the pool) of the last lookup

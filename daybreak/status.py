@@ -106,7 +106,7 @@ class PoolView:
         return sum(a.hits.get(tier, 0.0) for a in reached) / lookups if lookups else None
 
     def transports(self) -> list[str]:
-        """Transports the ready agents offer, in the pool's preference order."""
+        """Transports the ready agents report running (KVPool status.endpoints), in the pool's preference order."""
         offered = {t.value for e in self.pool.status.endpoints for t in e.transports}
         return [t.value for t in self.pool.spec.transport.preference if t.value in offered]
 

@@ -2,16 +2,12 @@
 
 Pure functions, like ``pool``: the reconciler builds, applies and observes.
 
-Engines find the pool through environment variables (the contract with the
-engine connectors and ``daybreak sim-engine``; see docs/operator.md):
-``DAYBREAK_POOL_ENDPOINTS`` (the pool's headless Service, host:port, which
-resolves to every ready agent), ``DAYBREAK_POOL_TOKEN`` (the credential of the
-deployment's kvNamespace, from the Secret the pool's agents mint; see
-``pool/engine_secret.py``), ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_TRANSPORTS`` (comma list, most
-preferred first), ``DAYBREAK_ROLE``, ``DAYBREAK_MODEL``,
-``DAYBREAK_MODEL_REVISION``, ``DAYBREAK_KV_LAYOUT`` (JSON) and
-``DAYBREAK_BLOCK_BYTES``, plus the downward-API ``POD_IP``, ``POD_NAME``,
-``POD_NAMESPACE`` and ``NODE_NAME``.
+Engines and the router find the pool through the engine-pod contract, one model
+(``api.enginepod.EnginePodEnv``, rendered here with ``to_env()``, parsed by the sim
+engine, the router and the vLLM connector with ``from_env()``; see docs/operator.md
+"The engine-pod contract"), plus the downward-API ``POD_IP``, ``POD_NAME``,
+``POD_NAMESPACE`` and ``NODE_NAME``. The credential is a ``secretKeyRef`` to the
+deployment's kvNamespace Secret, which the pool's agents mint (``pool/engine_secret.py``).
 
 The sim engine and the router find the pool's agents and the role pods
 through the API, not DNS (``--pool-ref``, the role Services' EndpointSlices):
@@ -37,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daybreak.api import labels as vocab
+from daybreak.api.enginepod import EnginePodEnv, EngineRole, VllmKVRole, vllm_kv_transfer_config
 from daybreak.api.kvcompat import EngineKind
 from daybreak.api.kvpool import KVPool, Transport
 from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
-from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
@@ -118,24 +114,19 @@ def pool_ref(pool: KVPool) -> str:
     return f"{pool.metadata.namespace}/{pool.metadata.name}"
 
 
-def pool_token_env(pdd: PDDeployment) -> dict[str, Any]:
-    """``DAYBREAK_POOL_TOKEN`` from the agent-minted Secret of the spec's kvNamespace (never the pool secret).
+def pool_token_ref(pdd: PDDeployment) -> dict[str, Any]:
+    """The ``valueFrom`` of ``DAYBREAK_POOL_TOKEN``: the agent-minted Secret of the spec's kvNamespace (never the
+    pool secret).
 
     Not optional: a pod waits until an agent created the Secret. A rollout to a new kvNamespace renders a
     new Secret name, so the old pods keep the old credential and the new ones get the new one.
     """
     name = credential_secret_name(pdd.metadata.name or "", pdd.spec.kv_namespace())
-    return {"name": "DAYBREAK_POOL_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": name, "key": SECRET_KEY, "optional": False}}}
+    return {"secretKeyRef": {"name": name, "key": SECRET_KEY, "optional": False}}
 
 
 POOL_CA_DIR = "/var/run/daybreak/pool-ca"
 ROUTER_AUTH_DIR = "/var/run/daybreak/router-auth"
-
-
-def pool_ca_env(pool: KVPool) -> list[dict[str, Any]]:
-    """``DAYBREAK_POOL_TLS_CA_FILE`` for a pool with spec.tls (every engine's client reads it), else nothing."""
-    return [{"name": POOL_TLS_CA_ENV, "value": f"{POOL_CA_DIR}/{TLS_CA_KEY}"}] if pool.spec.tls else []
 
 
 def pool_ca_mount(pool: KVPool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -151,51 +142,49 @@ def pool_ca_mount(pool: KVPool) -> tuple[list[dict[str, Any]], list[dict[str, An
             [{"name": "pool-ca", "mountPath": POOL_CA_DIR, "readOnly": True}])
 
 
-def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
+def pool_ca_file(pool: KVPool) -> str:
+    """Where a serving pod finds the pool's CA (``pool_ca_mount``), for a pool with spec.tls; else ""."""
+    return f"{POOL_CA_DIR}/{TLS_CA_KEY}" if pool.spec.tls else ""
+
+
+POD_ROLES: dict[Role, EngineRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
+def engine_pod_env(pdd: PDDeployment, pool: KVPool, role: Role) -> EnginePodEnv:
+    """The engine-pod contract for ``role``'s pods (``api.enginepod``; the sim engine, the router and the vLLM
+    connector parse it with ``EnginePodEnv.from_env``). The credential comes from a Secret (``pool_token_ref``)."""
     spec = pdd.spec
-    layout = spec.model.kv_layout
     pool_names = PoolNames(pool.metadata.name or "", pool.metadata.namespace or "")
-    env: list[dict[str, Any]] = [
-        *DOWNWARD_ENV,
-        {"name": "DAYBREAK_ROLE", "value": role.value},
-        {"name": "DAYBREAK_POOL", "value": pool.metadata.name},
-        {"name": "DAYBREAK_POOL_REF", "value": pool_ref(pool)},
-        {"name": "DAYBREAK_POOL_ENDPOINTS", "value": f"{pool_names.service_host()}:{pool.spec.agent.port}"},
-        pool_token_env(pdd),
-        {"name": "DAYBREAK_KV_NAMESPACE", "value": spec.kv_namespace()},
-        {"name": "DAYBREAK_TRANSPORTS", "value": ",".join(t.value for t in pool.spec.transport.preference)},
-        {"name": "DAYBREAK_MODEL", "value": spec.model.name},
-        {"name": "DAYBREAK_MODEL_REVISION", "value": spec.model.revision},
-        {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
-        {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
-        {"name": "DAYBREAK_ENGINE_PORT", "value": str(ENGINE_PORT)},
-        {"name": "DAYBREAK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "DAYBREAK_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "DAYBREAK_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        *pool_ca_env(pool),
-    ]
+    common: dict[str, Any] = {
+        "pool_ref": pool_ref(pool),
+        "pool_tls_ca_file": pool_ca_file(pool),
+        "kv_layout": spec.model.kv_layout,
+    }
+    if role == Role.ROUTER:
+        # No kvNamespace: the router takes each request's kvNamespace from the engine pods' label. Its
+        # credential is still one namespace's (docs/security.md), so an incompatible upgrade replaces the
+        # router pod through its Secret reference (surge first, the old one drains: see ROUTER_STRATEGY); a
+        # compatible one leaves it alone.
+        return EnginePodEnv(**common)
+    return EnginePodEnv(**common, role=POD_ROLES[role], kv_namespace=spec.kv_namespace(),
+                        transports=[t.value for t in pool.spec.transport.preference],
+                        pool_endpoints=[f"{pool_names.service_host()}:{pool.spec.agent.port}"],
+                        block_bytes=spec.model.kv_layout.bytes_per_block, model=spec.model.name,
+                        engine_port=ENGINE_PORT)
+
+
+def engine_env(pdd: PDDeployment, pool: KVPool, role: Role) -> list[dict[str, Any]]:
+    """A role's container env: the downward API, the engine-pod contract, then the user's ``engine.env``."""
+    env = [*DOWNWARD_ENV, *engine_pod_env(pdd, pool, role).to_env(pool_token_from=pool_token_ref(pdd))]
     # The operator's DAYBREAK_* variables are the engine's contract with the pool (its credential among
     # them): the policy refuses a user variable of that prefix, and the operator's value wins here too.
-    user = [e.to_dict() for e in spec.engine.env if not e.name.startswith(OPERATOR_ENV_PREFIX)]
+    user = [e.to_dict() for e in pdd.spec.engine.env if not e.name.startswith(OPERATOR_ENV_PREFIX)]
     overridden = {u["name"] for u in user}
     # The user's other variables come last and win on a clash (a deliberate override, e.g. for debugging).
     return [e for e in env if e["name"] not in overridden] + user
 
 
-VLLM_KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
-
-
-def vllm_kv_transfer_config(role: Role) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for a role's pods: Daybreak's connector (daybreak.connectors.vllm).
-
-    The pool, token, kvNamespace and kvLayout reach the connector through
-    ``engine_env`` (``DAYBREAK_POOL_REF``: it reads the agents from the KVPool's
-    status through the API, no DNS; ...), so the token never appears in the
-    command line. A failed load is recomputed, never fatal.
-    """
-    return {"kv_connector": "DaybreakConnector", "kv_connector_module_path": "daybreak.connectors.vllm",
-            "kv_role": VLLM_KV_ROLES[role], "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {}}
+VLLM_KV_ROLES: dict[Role, VllmKVRole] = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 
 
 def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
@@ -210,7 +199,8 @@ def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
         base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model.name,
                 "--revision", spec.model.revision, "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
                 "--block-size", str(spec.model.kv_layout.block_tokens),
-                "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(role), sort_keys=True)]
+                "--kv-transfer-config", json.dumps(vllm_kv_transfer_config(kv_role=VLLM_KV_ROLES[role]),
+                                                   sort_keys=True)]
     else:
         base = ["python3", "-m", "sglang.launch_server", "--model-path", spec.model.name,
                 "--revision", spec.model.revision, "--port", str(ENGINE_PORT),
@@ -294,7 +284,6 @@ def pod_template(pdd: PDDeployment, pool: KVPool, role: Role, *, image: str,
 def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: PoolPolicy | None = None) -> Manifest:
     names = DeploymentNames(pdd.metadata.name or "")
     ns = pdd.metadata.namespace or ""
-    layout = pdd.spec.model.kv_layout
     ca_volumes, ca_mounts = pool_ca_mount(pool)
     template: Manifest = {
         "metadata": {"labels": labels_for(pdd, Role.ROUTER)},
@@ -309,18 +298,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: Pool
                         "--decode-service", names.role(Role.DECODE), "--pool-ref", pool_ref(pool),
                         "--drain-seconds", str(ROUTER_DRAIN_SECONDS),
                         "--drain-quiet-seconds", str(ROUTER_DRAIN_QUIET_SECONDS)],
-            "env": [
-                *DOWNWARD_ENV,
-                pool_token_env(pdd),
-                # No DAYBREAK_KV_NAMESPACE: the router takes each request's kvNamespace from the engine pods'
-                # label. Its credential is still one namespace's (docs/security.md), so an incompatible upgrade
-                # replaces the router pod through its Secret reference (surge first, the old one drains: see
-                # ROUTER_STRATEGY); a compatible one leaves it alone.
-                {"name": "DAYBREAK_KV_LAYOUT", "value": json.dumps(layout.to_dict(), sort_keys=True)},
-                {"name": "DAYBREAK_BLOCK_BYTES", "value": str(layout.bytes_per_block)},
-                {"name": "DAYBREAK_MODEL", "value": pdd.spec.model.name},
-                *pool_ca_env(pool),
-            ],
+            "env": [*DOWNWARD_ENV, *engine_pod_env(pdd, pool, Role.ROUTER).to_env(
+                pool_token_from=pool_token_ref(pdd))],
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
             "readinessProbe": copy.deepcopy(HEALTH_PROBE),
             "securityContext": copy.deepcopy(CONTAINER_SECURITY),

@@ -30,13 +30,29 @@ class EventIntake:
         self.state = state
         self.forget_deployment = forget_deployment  # (namespace, name) of a deleted PDDeployment
 
-    def on_pool_event(self, type_: str | None, obj: Manifest) -> None:
-        state = self.state
+    def _scoped(self, kind: str, obj: Manifest) -> tuple[Key, dict[str, Any]] | None:
+        """The object's key and metadata, or None when its namespace is outside the operator's scope."""
         meta = obj.get("metadata") or {}
         ns, name = meta.get("namespace", ""), meta.get("name", "")
-        if not state.in_scope(ns):
+        return ((kind, ns, name), meta) if self.state.in_scope(ns) else None
+
+    def _spec_changed(self, key: Key, meta: dict[str, Any]) -> bool | None:
+        """None for the echo of our own status write; else whether the generation moved (and record it)."""
+        state = self.state
+        if meta.get("resourceVersion") == state.own_status_rv.get(key):
+            return None
+        generation = int(meta.get("generation") or 0)
+        changed = state.generations.get(key) != generation
+        state.generations[key] = generation
+        return changed
+
+    def on_pool_event(self, type_: str | None, obj: Manifest) -> None:
+        state = self.state
+        scoped = self._scoped(POOL, obj)
+        if scoped is None:
             return
-        key: Key = (POOL, ns, name)
+        key, meta = scoped
+        ns, name = key[1], key[2]
         if type_ == "DELETED":
             state.pools.pop((ns, name), None)
             state.request(key, full=True)
@@ -44,22 +60,21 @@ class EventIntake:
             return
         known = (ns, name) in state.pools
         state.pools[(ns, name)] = obj
-        if meta.get("resourceVersion") == state.own_status_rv.get(key):
-            return  # the echo of our own status write
-        generation = int(meta.get("generation") or 0)
-        if state.generations.get(key) != generation or not known:
-            state.generations[key] = generation
+        changed = self._spec_changed(key, meta)
+        if changed is None:
+            return
+        if changed or not known:
             state.needs_apply.add(key)
             state.touch_dependents(ns, name, full=True)
         state.queue.add(key)
 
     def on_pdd_event(self, type_: str | None, obj: Manifest) -> None:
         state = self.state
-        meta = obj.get("metadata") or {}
-        ns, name = meta.get("namespace", ""), meta.get("name", "")
-        if not state.in_scope(ns):
+        scoped = self._scoped(PDD, obj)
+        if scoped is None:
             return
-        key: Key = (PDD, ns, name)
+        key, meta = scoped
+        ns, name = key[1], key[2]
         if type_ == "DELETED":
             state.pool_of.pop((ns, name), None)
             state.pdds.pop((ns, name), None)
@@ -70,11 +85,7 @@ class EventIntake:
             return  # the garbage collector removes the children (owner references)
         state.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
         state.pdds[(ns, name)] = obj
-        if meta.get("resourceVersion") == state.own_status_rv.get(key):
-            return
-        generation = int(meta.get("generation") or 0)
-        if state.generations.get(key) != generation:
-            state.generations[key] = generation
+        if self._spec_changed(key, meta):
             state.request(key, full=True)
 
     def on_child_event(self, type_: str | None, obj: Manifest) -> None:

@@ -12,7 +12,6 @@ Agent privileges, and why each is needed (nothing else is granted; docs/security
   root the cluster admin allowed (``PoolPolicy.allowed_ssd_roots``); the agent
   keeps the pool's blocks in its own subdirectory named after the pool's
   namespace, name and uid, and removes it when the pool leaves the node;
-- host ``/dev/hugepages`` when the DRAM tier uses huge pages;
 - host ``/dev/infiniband`` when rdma is an allowed transport (verbs devices;
   rdma is opt-in: the default transport list leaves it out);
 - ``IPC_LOCK``, with rdma only: pinning registered memory; with it the kernel
@@ -25,10 +24,9 @@ Agent privileges, and why each is needed (nothing else is granted; docs/security
   shared by every pool, so pools with different ports share nodes.
 
 The agent runs as user 65532 with no capabilities and a read-only root file
-system unless its tiers need root: rdma (a capability is effective only for
+system unless rdma is allowed (a capability is effective only for
 uid 0 in a container: Kubernetes has no ambient capabilities, and
-no_new_privs disables file capabilities) and huge pages (hugetlbfs is
-root-owned). The SSD directory, created root-owned by the kubelet, is handed
+no_new_privs disables file capabilities). The SSD directory, created root-owned by the kubelet, is handed
 to 65532 by an init container that holds only CHOWN and DAC_READ_SEARCH.
 
 Its primary group is the pool's own id (``PoolPolicy.pool_group``), which its
@@ -45,9 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from daybreak.api import labels as vocab
+from daybreak.api.agentconfig import AgentConfig
 from daybreak.api.kvpool import KVPool, Transport
+from daybreak.errors import DaybreakError
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
@@ -125,10 +126,27 @@ def metrics_port(pool: KVPool) -> int:
     return pool.spec.agent.port + 1
 
 
-def agent_settings(pool: KVPool) -> dict[str, Any]:
-    """The agent's settings file: the pool's effective config in AgentSettings' field names."""
-    from daybreak.agent.settings import AgentSettings  # the agent's own schema: what we write, it can read
+class AgentConfigError(DaybreakError, ValueError):
+    """The agent config rendered from a KVPool is one the agent would refuse (a key it does not know, a value
+    out of range): the reconcile fails with a condition naming the field instead of the DaemonSet crash-looping.
 
+    A bug of the operator, never of the user's spec (the KVPool's schema admitted it), so the message says so.
+    """
+
+    def __init__(self, pool: KVPool, exc: ValidationError) -> None:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in exc.errors())
+        self.fields = [".".join(str(p) for p in e["loc"]) for e in exc.errors()]
+        super().__init__(f"the agent config rendered for KVPool {pool.metadata.namespace}/{pool.metadata.name} is "
+                         f"not one the agent accepts ({problems}); the operator and agent versions disagree on "
+                         "api.agentconfig.AgentConfig: run an operator and agents of the same release")
+
+
+def agent_settings(pool: KVPool) -> dict[str, Any]:
+    """The agent's config file (``api.agentconfig.AgentConfig``), rendered from the pool's effective spec.
+
+    Exactly the model the agent loads: every key below is a field of it, nothing is filtered on the way, and
+    a key it does not know raises ``AgentConfigError`` (a condition on the pool, not a crash-looping agent).
+    """
     spec = pool.spec
     tiers = spec.tiers
     dram = tiers.dram if tiers.dram and tiers.dram.enabled else None
@@ -142,7 +160,6 @@ def agent_settings(pool: KVPool) -> dict[str, Any]:
         "sysfs_root": HOST_SYS,
         "listen": f"0.0.0.0:{spec.agent.port}",
         "dram_bytes": dram.bytes_per_node if dram else 0,
-        "huge_pages": bool(dram and dram.huge_pages),
         "ssd_path": ssd.path if ssd else "",
         "ssd_bytes": ssd.bytes_per_node if ssd else 0,
         "hbm_bytes": hbm.bytes_per_device if hbm else 0,
@@ -164,11 +181,17 @@ def agent_settings(pool: KVPool) -> dict[str, Any]:
         # The standalone agent's TLS settings, pointed at the mounted Secret: both tcp paths serve TLS only.
         candidate |= {"tls_cert_file": f"{TLS_DIR}/{TLS_CERT_KEY}", "tls_key_file": f"{TLS_DIR}/{TLS_KEY_KEY}",
                       "tls_ca_file": f"{TLS_DIR}/{TLS_CA_KEY}"}
-    known = AgentSettings.model_fields
-    values = {k: v for k, v in candidate.items() if k in known}
-    # Validate now: a config the agent would refuse must fail the reconcile, not crash-loop the DaemonSet.
-    AgentSettings.model_validate(values)
-    return values
+    return render_agent_config(pool, candidate)
+
+
+def render_agent_config(pool: KVPool, candidate: dict[str, Any]) -> dict[str, Any]:
+    """``candidate`` validated as the agent's ``AgentConfig`` and dumped as it will be written (the keys given,
+    in the agent's own types); raises ``AgentConfigError`` naming every key the agent would refuse."""
+    try:
+        config = AgentConfig.model_validate(candidate)
+    except ValidationError as exc:
+        raise AgentConfigError(pool, exc) from exc
+    return config.model_dump(mode="json", include=set(candidate))
 
 
 def config_data(pool: KVPool) -> dict[str, str]:
@@ -187,9 +210,8 @@ def rdma_wanted(pool: KVPool) -> bool:
 
 
 def agent_needs_root(pool: KVPool) -> bool:
-    """rdma (IPC_LOCK must be effective) and huge pages (root-owned hugetlbfs) need uid 0; nothing else does."""
-    dram = pool.spec.tiers.dram
-    return rdma_wanted(pool) or bool(dram and dram.enabled and dram.huge_pages)
+    """rdma (IPC_LOCK must be effective) needs uid 0; nothing else does."""
+    return rdma_wanted(pool)
 
 
 def agent_subject(namespace: str, service_account: str) -> dict[str, str]:
@@ -321,9 +343,6 @@ def daemonset(pool: KVPool, *, image: str, labels: dict[str, str], config_hash: 
                                     "capabilities": {"add": ["CHOWN", "DAC_READ_SEARCH"], "drop": ["ALL"]}},
                 "volumeMounts": [{"name": "ssd", "mountPath": ssd.path}],
             })
-    if spec.tiers.dram and spec.tiers.dram.enabled and spec.tiers.dram.huge_pages:
-        volumes.append({"name": "hugepages", "hostPath": {"path": "/dev/hugepages", "type": "Directory"}})
-        mounts.append({"name": "hugepages", "mountPath": "/dev/hugepages"})
     if rdma_wanted(pool):
         # No type check: nodes without RDMA still run the agent (it falls back to tcp).
         volumes.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}})
@@ -392,11 +411,14 @@ def daemonset(pool: KVPool, *, image: str, labels: dict[str, str], config_hash: 
 # -- status ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AgentReport:
-    """What one node's agent published (its KVNode status): capacity and use per tier, in bytes."""
+    """What one node's agent published (its KVNode status): capacity and use per tier, in bytes, and the
+    transports it runs with the bytes each moved (never the spec's list: what the agent measured)."""
 
     node: str
     capacity: dict[str, int]
     used: dict[str, int]
+    transports: tuple[str, ...] = ()
+    bytes_moved: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_kvnode(cls, obj: Manifest) -> AgentReport | None:
@@ -404,7 +426,10 @@ class AgentReport:
         if not status.get("capacity"):
             return None
         node = (obj.get("spec") or {}).get("nodeName") or (obj.get("metadata") or {}).get("name", "")
-        return cls(node=str(node), capacity=dict(status.get("capacity") or {}), used=dict(status.get("used") or {}))
+        moved = {str(t.get("transport", "")): int(t.get("bytesUsed") or 0) + int(t.get("storeBytes") or 0)
+                 for t in status.get("transfer") or []}
+        return cls(node=str(node), capacity=dict(status.get("capacity") or {}), used=dict(status.get("used") or {}),
+                   transports=tuple(str(t) for t in status.get("transports") or []), bytes_moved=moved)
 
 
 def status(pool: KVPool, *, daemonset: Manifest | None, pods: list[Manifest], reports: list[AgentReport],
@@ -415,17 +440,16 @@ def status(pool: KVPool, *, daemonset: Manifest | None, pods: list[Manifest], re
     ready_pods = [p for p in pods if _pod_ready(p) and not (p.get("metadata") or {}).get("deletionTimestamp")]
     ready = min(len(ready_pods), desired) if daemonset is not None else 0
     port = pool.spec.agent.port
-    transports = [t.value for t in pool.spec.transport.preference]
+    reported = {r.node: r for r in reports}
     endpoints = sorted(
         ({"node": p["spec"].get("nodeName", ""), "address": (p.get("status") or {}).get("podIP", ""),
-          "port": port, "transports": transports}
+          "port": port, **_measured_transports(reported.get(p["spec"].get("nodeName", "")))}
          for p in ready_pods if (p.get("status") or {}).get("podIP")),
         key=lambda e: (e["node"], e["address"]),
     )
     ready_nodes = {e["node"] for e in endpoints}
     capacity = {"hbm": 0, "dram": 0, "ssd": 0}
     used = {"hbm": 0, "dram": 0, "ssd": 0}
-    reported = {r.node: r for r in reports}
     for node in ready_nodes:
         report = reported.get(node)
         if report is not None:
@@ -471,6 +495,18 @@ def status(pool: KVPool, *, daemonset: Manifest | None, pods: list[Manifest], re
         "used": used,
         "endpoints": endpoints,
     }
+
+
+def _measured_transports(report: AgentReport | None) -> dict[str, Any]:
+    """An endpoint's transports and bytes per transport as its agent reported them; none before it reports.
+
+    Names the API does not know (a newer agent's) are left out: the status schema would refuse them.
+    """
+    if report is None:
+        return {"transports": [], "bytesMoved": {}}
+    known = {t.value for t in Transport}
+    return {"transports": [t for t in report.transports if t in known],
+            "bytesMoved": {t: n for t, n in sorted(report.bytes_moved.items()) if t in known}}
 
 
 def _pod_ready(pod: Manifest) -> bool:

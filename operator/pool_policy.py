@@ -62,9 +62,10 @@ KEY_POOL_GROUPS = "poolGroupRange"
 ANY_KEY = "*"
 
 # Host paths an agent mounts besides its SSD directory, and what an engine may mount (the DRAM tier's
-# segments for same-node zero copy, huge pages, verbs devices for RDMA clients). Fixed by the product,
-# not by the admin: nothing else on the host is ever needed.
-AGENT_HOST_PATHS = frozenset({"/sys", "/dev/shm", "/dev/hugepages", "/dev/infiniband"})
+# segments for same-node zero copy, huge pages an engine's own template asks for, verbs devices for RDMA
+# clients). Fixed by the product, not by the admin: nothing else on the host is ever needed. Agents no
+# longer mount /dev/hugepages (the KVPool's hugePages field was removed: nothing used huge pages).
+AGENT_HOST_PATHS = frozenset({"/sys", "/dev/shm", "/dev/infiniband"})
 ENGINE_HOST_PATHS = frozenset({"/dev/shm", "/dev/hugepages", "/dev/infiniband"})
 # Capabilities an engine may add (verbs registration pins memory); agents get theirs from the builder.
 ENGINE_CAPABILITIES = frozenset({"IPC_LOCK"})

@@ -61,7 +61,14 @@ class PoolReconciler:
         generation = body["metadata"].get("generation")
         problems: list[Condition] = []
         if full:
-            problems = await self._apply(key, body, pool)
+            try:
+                problems = await self._apply(key, body, pool)
+            except pool_mod.AgentConfigError as exc:
+                # Nothing is applied: the agents keep their last good config rather than crash-loop on this one.
+                logger.error("agent config refused namespace=%s name=%s fields=%s error=%s", ns, name,
+                             ",".join(exc.fields), exc)
+                problems = [Condition(type="Ready", status=FALSE, reason="AgentConfigInvalid",
+                                      message=str(exc)[:1000])]
         names = pool_mod.PoolNames(name, ns)
         ds = self.state.cached_child("DaemonSet", ns, names.agent)
         if ds is None:

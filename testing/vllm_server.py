@@ -23,16 +23,14 @@ from typing import Any
 
 import httpx
 
-CONNECTOR = "DaybreakConnector"
-CONNECTOR_MODULE = "daybreak.connectors.vllm"
+from daybreak.api.enginepod import vllm_kv_transfer_config
 
 
 def daybreak_transfer_config(*, role: str, endpoints: list[str], token_file: Path, namespace: str,
                              **extra: Any) -> dict[str, Any]:
-    """A ``--kv-transfer-config`` for the Daybreak connector."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": role,
-            "kv_connector_extra_config": {"endpoints": endpoints, "token_file": str(token_file),
-                                          "namespace": namespace, **extra}}
+    """A ``--kv-transfer-config`` for the Daybreak connector outside Kubernetes (``api.enginepod`` builds it)."""
+    return vllm_kv_transfer_config(kv_role=role, load_failure_policy=None, extra={
+        "endpoints": endpoints, "token_file": str(token_file), "namespace": namespace, **extra})
 
 
 @dataclass

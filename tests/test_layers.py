@@ -2,8 +2,8 @@
 
 Lowest first: ``daybreak.errors`` (the exception root), ``daybreak.logs`` (the one logging set-up) and ``daybreak.api``
 (models, no I/O) <- ``daybreak.pool`` (the pool's contract) <-
-``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which reads
-``agent/settings.py`` only) <- the CLI (the ``daybreak/`` folder),
+``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which
+imports nothing of the agent: the config it writes is ``api/agentconfig.py``) <- the CLI (the ``daybreak/`` folder),
 ``daybreak.bench`` and ``daybreak.testing``. Inside the operator the same
 holds module by module (``OPERATOR_LAYERS``), and its reconcilers and planner
 loop never import each other. Function-level imports count the
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Modules of the daybreak/ folder that are not CLI wiring: the lowest layer.
 BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.logs", "daybreak.version"}
-# The one documented crossing between the two logic packages.
-OPERATOR_MAY_READ = ("daybreak.agent.settings",)
+# Crossings between the two logic packages: none (the agent's config model is api.agentconfig).
+OPERATOR_MAY_READ: tuple[str, ...] = ()
 # Inside the operator, lowest first: a module imports from its own layer or lower ones only. The
 # reconcilers and the planner loop (APART) never import each other: what they share sits below them
 # (state, status writer, rollout), and the planner reaches the PDDeployment reconciler only through the
@@ -122,7 +122,7 @@ def violations(root: Path) -> list[str]:
         ("daybreak.connectors", top, "engine connectors stand on the client and api, never on agent or operator"),
         ("daybreak.serving", top, "engines and router stand on the client and api, never on agent or operator"),
         ("daybreak.operator", ["daybreak.agent", "daybreak.bench", "daybreak.testing", *cli_modules(root)],
-         "the operator reads agent/settings.py only"),
+         "the operator never imports the agent (its config model is api/agentconfig.py)"),
     ]
     transports = [f"daybreak.agent.transfer.{m}" for m in TRANSPORT_MODULES]
     out: list[str] = []
@@ -258,6 +258,7 @@ def test_the_checks_find_planted_violations(tmp_path: Path) -> None:
         "client/pool.py:2: daybreak.client.pool imports daybreak.agent.store.engine",
         "client/aio.py:1: daybreak.client.aio imports daybreak.cli",
         "agent/transfer/tcp.py:1: daybreak.agent.transfer.tcp imports daybreak.agent.transfer.engine.TransferEngine",
+        "operator/pool.py:2: daybreak.operator.pool imports daybreak.agent.settings.AgentSettings",
         "operator/pool.py:3: daybreak.operator.pool imports daybreak.agent.main",
         "operator/autoscaler.py:3: daybreak.operator.autoscaler imports daybreak.operator.controller.Controller",
         "operator/pool_reconciler.py:2: daybreak.operator.pool_reconciler imports "

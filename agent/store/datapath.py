@@ -68,8 +68,10 @@ class StoreDataPath:
         for index, seg in enumerate(self.store.shm_segments()):
             self.segments[("dram", index)] = self.engine.register_segment(seg, name=seg.name)
         hbm = self.store.hbm
-        if hbm is not None:
-            self.segments[("hbm", 0)] = self.engine.register_segment(hbm.buffer, name=f"{self.store.shm_prefix}-hbm-0")
+        if hbm is not None:  # one segment per device: a block's extent segment is its device's position
+            for index, buffer in enumerate(hbm.buffers):
+                self.segments[("hbm", index)] = self.engine.register_segment(
+                    buffer, name=f"{self.store.shm_prefix}-hbm-{index}")
         self._store_segments = {seg.segment_id for seg in self.segments.values()}
         self.engine.require_capabilities(self.authorize)
         log.info("event=datapath_registered engine=%s segments=%d transports=%s", self.engine.engine_id,
@@ -231,5 +233,5 @@ class StoreDataPath:
     def _landed_crc(self, res: Reservation) -> int:
         view = self.store.write_buffer(res)  # DRAM in place; HBM: a host buffer to copy into
         if res.tier == "hbm" and self.store.hbm is not None:
-            self.store.hbm.read_into(res.offset, view)
+            self.store.hbm.read_into(res.segment, res.offset, view)
         return crc32c(view)

@@ -177,8 +177,8 @@ class BlockStore:
         if self.hbm is not None:
             self.tiers["hbm"] = self.hbm
         self.blocks: dict[str, Block] = {}
-        self.policies: dict[str, Policy] = {"dram": make_policy(config.policy), "ssd": make_policy("lru"),
-                                            "hbm": make_policy(config.policy)}
+        # The pool's eviction.policy in every tier (the API promises it so; the SSD tier was once LRU always).
+        self.policies: dict[str, Policy] = {name: make_policy(config.policy) for name in ("dram", "ssd", "hbm")}
         self.writing: dict[str, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Parked] = {}
@@ -332,9 +332,9 @@ class BlockStore:
             if key in self.writing:
                 return Status.BUSY
             if tier == "hbm" and self.hbm is not None:
-                hoff = self._alloc_hbm(size)
-                if hoff is not None:
-                    res = Reservation(key, size, checksum, "hbm", 0, hoff, pin_seconds)
+                hwhere = self._alloc_hbm(size)
+                if hwhere is not None:  # segment: which device (HbmTier.devices) holds the block
+                    res = Reservation(key, size, checksum, "hbm", hwhere[0], hwhere[1], pin_seconds)
                     self.writing[key] = res
                     return res
             where = self._alloc_dram(size)
@@ -350,7 +350,7 @@ class BlockStore:
 
     def write_hbm(self, res: Reservation, data: memoryview) -> None:
         assert self.hbm is not None
-        self.hbm.write(res.offset, data)
+        self.hbm.write(res.segment, res.offset, data)
 
     def commit(self, reservations: Iterable[Reservation], *, ok: bool = True) -> None:
         """Publish written reservations (or give their space back when ``ok`` is False)."""
@@ -432,7 +432,7 @@ class BlockStore:
 
     def read_hbm_into(self, block: Block, out: memoryview) -> None:
         assert self.hbm is not None
-        self.hbm.read_into(block.offset, out)
+        self.hbm.read_into(block.segment, block.offset, out)
 
     def lease(self, blocks: list[Block | None]) -> int:
         """Keep already-acquired blocks from eviction for lease_seconds; returns the lease id."""
@@ -681,17 +681,17 @@ class BlockStore:
                 return where
         return None
 
-    def _alloc_hbm(self, size: int) -> int | None:
+    def _alloc_hbm(self, size: int) -> tuple[int, int] | None:
         assert self.hbm is not None
-        off = self.hbm.alloc(size)
+        where = self.hbm.alloc(size)
         evictable = self._evictable(pins=False)
-        while off is None:
+        while where is None:
             victim = self._victim("hbm", evictable)
             if victim is None:
                 return None
             self._evict(self.blocks[victim])
-            off = self.hbm.alloc(size)
-        return off
+            where = self.hbm.alloc(size)
+        return where
 
     def _enforce(self, tier: str) -> None:
         """Evict from ``tier`` down to the low watermark once it is above the high one."""
@@ -721,7 +721,7 @@ class BlockStore:
                 self.config.high_watermark * self.dram.capacity) else None
             if where is not None:
                 assert self.hbm is not None
-                self.hbm.read_into(block.offset, self.dram.view(where[0], where[1], block.size))
+                self.hbm.read_into(block.segment, block.offset, self.dram.view(where[0], where[1], block.size))
                 self._drop(block, journal)
                 moved = Block(block.key, block.size, block.checksum, "dram", where[0], where[1])
                 self._index(moved)
@@ -755,7 +755,7 @@ class BlockStore:
         if tier == "dram":
             self.dram.free(segment, offset, size)
         elif tier == "hbm" and self.hbm is not None:
-            self.hbm.free(offset, size)
+            self.hbm.free(segment, offset, size)
         elif tier == "ssd" and self.ssd is not None:
             self.ssd.remove(key, size)
 

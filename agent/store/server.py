@@ -42,7 +42,7 @@ class StoreServer:
     def __init__(self, store: BlockStore, *, listen: str, token: bytes, pool: str, advertise: str = "",
                  peers: list[str] | None = None, replicas: int = 1, lease_seconds: int = 10,
                  limits: Limits | None = None, tls: ssl.SSLContext | None = None,
-                 peer_tls: ssl.SSLContext | None = None, datapath: Any = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None, datapath: Any = None, offer_shm: bool = True) -> None:
         self.store = store
         self.pool = pool
         host, port = parse_address(listen)
@@ -65,7 +65,10 @@ class StoreServer:
         self.pull = PullThrough(store=store, membership=self.membership, records=self.records)
         self.service = Service(store=store, secret=token, membership=self.membership, handoff=self.handoff,
                                records=self.records, pull=self.pull, limits=limits, tls=tls,
-                               welcome=Welcome(pool=pool, shm_probe=self.probe.name, shm_nonce=nonce,
+                               # Without shm allowed (the pool's transports) no client is told the probe,
+                               # so none maps the DRAM tier: same-node clients use the stream.
+                               welcome=Welcome(pool=pool, shm_probe=self.probe.name if offer_shm else "",
+                                               shm_nonce=nonce if offer_shm else b"",
                                                lease_seconds=lease_seconds, replicas=replicas))
         self.datapath = datapath  # agent.store.datapath.StoreDataPath: the engine's control ops
         if datapath is not None:

@@ -440,8 +440,15 @@ class Service:
         session: Session | None = getattr(self._local, "session", None)
         return session is None or session.parked.pop(reservation_id, None) is not None
 
+    def _require_shm(self) -> None:
+        """ALLOC and LOCATE hand out /dev/shm extents for a same-node memcpy: only where shm is allowed."""
+        if not self.welcome.shm_probe:
+            raise NotAuthorized("shm is not among this pool's transports (spec.transport.preference): the DRAM "
+                                "tier is not mapped by clients; use PUT/GET over the stream")
+
     def _alloc(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.AllocRequest)
+        self._require_shm()
         req = request
         session = self.session
         if self._open_leases() >= self.limits.max_open_leases:
@@ -526,6 +533,7 @@ class Service:
 
     def _locate(self, conn: socket.socket, header: p.Header, request: object) -> None:
         assert isinstance(request, p.KeysRequest)
+        self._require_shm()
         req = request
         session = getattr(self._local, "session", None)
         if session is not None and self._open_leases() >= self.limits.max_open_leases:

@@ -31,10 +31,10 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime
 from daybreak.agent.store.alloc import ALIGN, Arena, align_up
@@ -742,7 +742,7 @@ def reclaim_ssd_orphans(*, root: Path, owner: SsdOwner, keep: Path, older_than_s
 
 
 def _owned(st: os.stat_result) -> bool:
-    """This user's; a root agent (rdma, huge pages) also takes 65532's, which the ssd-owner init container
+    """This user's; a root agent (rdma) also takes 65532's, which the ssd-owner init container
     hands the whole root to (``operator/pool.py``) whichever pool's agent created a directory."""
     return st.st_uid == os.geteuid() or os.geteuid() == 0
 
@@ -791,52 +791,79 @@ def _zeros(size: int) -> memoryview:
 
 
 class HbmTier:
-    """One device allocation carved by an Arena; bytes move with the runtime's host<->device copies."""
+    """The HBM tier: one allocation of ``capacity`` bytes on every device served, each carved by its own Arena.
+
+    A block lives on one device: its extent's ``segment`` is the position of that device in ``devices``
+    (so placement, registration and reads all know which device holds it). A new block goes to the device
+    with the most free bytes, which spreads the tier over the devices. Bytes move with the runtime's
+    host<->device copies.
+    """
 
     name = "hbm"
 
-    def __init__(self, *, runtime: AcceleratorRuntime, device: int, capacity: int) -> None:
+    def __init__(self, *, runtime: AcceleratorRuntime, devices: Sequence[int], capacity: int) -> None:
+        if not devices:
+            raise ValueError("devices: the HBM tier needs at least one accelerator device")
         self.runtime = runtime
-        self.capacity = align_up(capacity)
-        self.buffer = runtime.allocate(device, self.capacity)
-        self.arena = Arena(self.capacity)
+        self.devices = tuple(devices)
+        self.per_device = align_up(capacity)
+        self.buffers: list[Any] = []
+        try:
+            for device in self.devices:
+                self.buffers.append(runtime.allocate(device, self.per_device))
+        except BaseException:
+            for buffer in self.buffers:
+                runtime.free(buffer)
+            raise
+        self.arenas = [Arena(self.per_device) for _ in self.devices]
+        self.capacity = self.per_device * len(self.devices)  # what was allocated, summed over the devices
 
     @property
     def used(self) -> int:
-        return self.capacity - self.arena.free_bytes
+        return self.capacity - sum(a.free_bytes for a in self.arenas)
 
-    def alloc(self, size: int) -> int | None:
-        return self.arena.alloc(size)
+    def used_per_device(self) -> dict[int, int]:
+        """Bytes in use per device index."""
+        return {d: self.per_device - a.free_bytes for d, a in zip(self.devices, self.arenas, strict=True)}
 
-    def free(self, offset: int, size: int) -> None:
-        self.arena.free(offset, size)
+    def alloc(self, size: int) -> tuple[int, int] | None:
+        """(segment, offset) on the device with the most free bytes that fits ``size``; None when none does."""
+        for segment in sorted(range(len(self.arenas)), key=lambda i: -self.arenas[i].free_bytes):
+            offset = self.arenas[segment].alloc(size)
+            if offset is not None:
+                return segment, offset
+        return None
 
-    def write(self, offset: int, data: memoryview) -> None:
-        self.runtime.copy_to_device(self.buffer, data, offset=offset)
+    def free(self, segment: int, offset: int, size: int) -> None:
+        self.arenas[segment].free(offset, size)
 
-    def read_into(self, offset: int, out: memoryview) -> None:
-        self.runtime.copy_to_host(out, self.buffer, offset=offset)
+    def write(self, segment: int, offset: int, data: memoryview) -> None:
+        self.runtime.copy_to_device(self.buffers[segment], data, offset=offset)
 
-    # -- MemoryTier (one device buffer: the segment is always 0) ---------------------------------
+    def read_into(self, segment: int, offset: int, out: memoryview) -> None:
+        self.runtime.copy_to_host(out, self.buffers[segment], offset=offset)
+
+    # -- MemoryTier (the segment is the device's position in ``devices``) ------------------------
 
     def extent_view(self, segment: int, offset: int, size: int) -> memoryview | None:
         return None  # device memory: not addressable from the host
 
     def read_extent(self, segment: int, offset: int, out: memoryview) -> None:
-        self.read_into(offset, out)
+        self.read_into(segment, offset, out)
 
     def write_extent(self, segment: int, offset: int, data: memoryview) -> None:
-        self.write(offset, data)
+        self.write(segment, offset, data)
 
     def clear_extent(self, segment: int, offset: int, size: int) -> None:
         # The runtime has no memset in its narrow interface: copy from one shared zero buffer, a chunk at a time.
         zeros = _zeros(min(size, _ZERO_CHUNK))
         for at in range(0, size, _ZERO_CHUNK):
             n = min(_ZERO_CHUNK, size - at)
-            self.write(offset + at, zeros[:n])
+            self.write(segment, offset + at, zeros[:n])
 
     def shared_name(self, segment: int) -> str:
         return ""  # another process cannot map it (same-node clients GET it instead)
 
     def close(self) -> None:
-        self.runtime.free(self.buffer)
+        for buffer in self.buffers:
+            self.runtime.free(buffer)

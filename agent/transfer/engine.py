@@ -181,7 +181,8 @@ class TransferEngine:
     @classmethod
     def from_settings(cls, settings: Any, *, token: str = "", runtime: Any = None, topology: Any = None,
                       verbs: Any = None) -> TransferEngine:
-        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``).
+        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``,
+        ``transports``: the pool's ``spec.transport.preference`` as the operator renders it).
 
         An agent's engine serves tcp to the pod network, so it always checks a credential (``token``, the pool
         secret) and binds no wider than the store (``transfer_listen`` empty: the store's host, a free port).
@@ -194,7 +195,7 @@ class TransferEngine:
         if not listen:
             host = settings.listen.rpartition(":")[0] or "127.0.0.1"
             listen = f"{host}:0"
-        return cls(node=settings.node_name or None, listen=listen,
+        return cls(node=settings.node_name or None, listen=listen, transports=settings.transports,
                    advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
                    slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
                    timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,

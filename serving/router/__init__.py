@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,18 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--refresh-seconds", type=float, default=1.0, help="EndpointSlice re-read period")
     d.add_argument("--scrape-seconds", type=float, default=0.5, help="period of the /metrics load scrape")
     p = parser.add_argument_group("pool lookups")
-    p.add_argument("--pool-ref", default=_env("DAYBREAK_POOL_REF"),
+    # Defaults None: unset flags fall back to the engine-pod contract (api.enginepod; with_pod_env).
+    p.add_argument("--pool-ref", default=None,
                    help="NS/NAME of the KVPool whose status.endpoints list the agents ($DAYBREAK_POOL_REF); "
                    "wins over --pool-endpoints")
-    p.add_argument("--pool-endpoints", default=_env("DAYBREAK_POOL_ENDPOINTS"),
+    p.add_argument("--pool-endpoints", default=None,
                    help="agents host:port,... ($DAYBREAK_POOL_ENDPOINTS)")
-    p.add_argument("--token", default=_env("DAYBREAK_POOL_TOKEN"), help="pool token ($DAYBREAK_POOL_TOKEN)")
-    p.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE"),
-                   help="file holding the pool token ($DAYBREAK_POOL_TOKEN_FILE)")
-    p.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE"),
+    p.add_argument("--token", default=None, help="pool token (either flag replaces $DAYBREAK_POOL_TOKEN_FILE / "
+                   "$DAYBREAK_POOL_TOKEN; a file wins over a token)")
+    p.add_argument("--token-file", default=None, help="file holding the pool token")
+    p.add_argument("--kv-namespace", default=None,
                    help="kvNamespace of engine pods without the daybreak.dev/kv-namespace label, i.e. static "
                    "endpoints ($DAYBREAK_KV_NAMESPACE); discovered pods carry their own")
-    p.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT"),
+    p.add_argument("--kv-layout", default=None,
                    help="kvLayout JSON, e.g. '{\"numLayers\":32,\"numKVHeads\":8,\"headDim\":128,"
                    "\"blockTokens\":16}' ($DAYBREAK_KV_LAYOUT); without it: no block keys, load only")
     p.add_argument("--no-pool-lookup", action="store_true",
@@ -149,18 +151,41 @@ def block_tokens_of(layout_json: str | None) -> int | None:
     return int(layout.block_tokens)
 
 
+def with_pod_env(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """``args`` with the pool flags left unset filled from the engine-pod contract (``api.enginepod``, parsed
+    from ``env``, default ``os.environ``), and ``token`` resolved with every engine's one precedence: the
+    flags' pair if given, else the environment's; within one, a file wins (``client.env.read_pool_token``)."""
+    from daybreak.api.enginepod import EnginePodEnvError
+    from daybreak.client.env import engine_pod_env, read_pool_token
+
+    try:
+        pod = engine_pod_env(env)
+        if args.token or args.token_file:
+            token = read_pool_token(token=args.token or "", token_file=args.token_file or "", source="--token-file")
+        else:
+            token = read_pool_token(token=pod.pool_token, token_file=pod.pool_token_file,
+                                    source="$DAYBREAK_POOL_TOKEN_FILE")
+    except EnginePodEnvError as exc:
+        raise SystemExit(str(exc)) from None
+    layout = json.dumps(pod.kv_layout.to_dict(), sort_keys=True) if pod.kv_layout else None
+    return argparse.Namespace(**{
+        **vars(args),
+        "pool_ref": args.pool_ref if args.pool_ref is not None else (pod.pool_ref or None),
+        "pool_endpoints": (args.pool_endpoints if args.pool_endpoints is not None
+                           else ",".join(pod.pool_endpoints) or None),
+        "kv_namespace": args.kv_namespace if args.kv_namespace is not None else (pod.kv_namespace or None),
+        "kv_layout": args.kv_layout if args.kv_layout is not None else layout,
+        "token": token or None, "token_file": None,
+    })
+
+
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token:
-        return str(args.token)
-    if args.token_file:
-        try:
-            return Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise SystemExit(f"--token-file {args.token_file}: {exc}") from None
-    return None
+    """The credential ``with_pod_env`` resolved."""
+    return str(args.token) if args.token else None
 
 
 async def _main(args: argparse.Namespace) -> int:
+    args = with_pod_env(args)
     from daybreak.serving import kube
     from daybreak.serving.router.auth import AuthConfigError, Credentials
     from daybreak.serving.router.discovery import RolePods, service_lister

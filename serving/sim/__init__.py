@@ -1,9 +1,10 @@
 """``daybreak sim-engine``: a simulated prefill/decode engine that serves OpenAI HTTP and moves real KV.
 
-Settings come from flags, each with an environment fallback so the operator's
-pod env works unchanged (``DAYBREAK_ROLE``, ``DAYBREAK_POOL_ENDPOINTS``,
-``DAYBREAK_POOL_TOKEN``, ``DAYBREAK_KV_NAMESPACE``, ``DAYBREAK_KV_LAYOUT``,
-``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_MODEL``, ``DAYBREAK_POOL_TLS_CA_FILE``, ``POD_IP``); they are gathered
+Settings come from flags; an unset flag falls back to the operator's engine-pod
+contract (``api.enginepod.EnginePodEnv``: ``DAYBREAK_ROLE``, ``DAYBREAK_POOL_REF``,
+``DAYBREAK_POOL_ENDPOINTS``, ``DAYBREAK_POOL_TOKEN`` / ``_FILE``, ``DAYBREAK_KV_NAMESPACE``,
+``DAYBREAK_KV_LAYOUT``, ``DAYBREAK_BLOCK_BYTES``, ``DAYBREAK_TRANSPORTS``, ``DAYBREAK_MODEL``,
+``DAYBREAK_ENGINE_PORT``, ``DAYBREAK_POOL_TLS_CA_FILE``) and ``POD_IP``; they are gathered
 in one ``Settings`` object, printed at start-up. See docs/serving.md.
 
 SIGTERM drains: ``/health`` turns 503 at once, accepted requests finish, the
@@ -22,15 +23,15 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
 from daybreak.api.kvcompat import KVLayout
 from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
+from daybreak.client.env import engine_pod_env, read_pool_token
 from daybreak.logs import setup_logging
 from daybreak.serving.sim.costmodel import CostModel, knob_names
 from daybreak.serving.sim.engine import Engine, EngineConfig, Role
@@ -43,14 +44,6 @@ log = logging.getLogger(__name__)
 # The example deployment's model (examples/): Llama-3.1-8B, 16-token bf16 blocks of 2 MiB.
 _REFRESH_SECONDS = 5.0  # how often --pool-ref re-reads the KVPool's status.endpoints
 DEFAULT_LAYOUT = {"numLayers": 32, "numKVHeads": 8, "headDim": 128, "dtype": "bfloat16", "blockTokens": 16}
-
-
-def _env(*names: str, default: str | None = None) -> str | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value
-    return default
 
 
 @dataclass(frozen=True)
@@ -76,6 +69,13 @@ class Settings:
     """CA bundle the agents' TLS certificates are checked against; None: plain tcp."""
     startup_seconds: float = 0.0
     """Simulated model loading: /health stays 503 this long after the listen socket opens."""
+    transports: tuple[str, ...] = ()
+    """The pool's transports, most preferred first ($DAYBREAK_TRANSPORTS); empty: all."""
+
+    @property
+    def client_transport(self) -> Literal["auto", "tcp"]:
+        """``KVPoolClient``'s transport: shared memory with same-node agents only when the pool allows shm."""
+        return "auto" if not self.transports or "shm" in self.transports else "tcp"
 
     def describe(self) -> str:
         """One log line of key=value pairs (the token left out)."""
@@ -85,38 +85,42 @@ class Settings:
                 f"block_bytes={self.block_bytes} model_block_bytes={self.layout.bytes_per_block} "
                 f"pool={'none' if self.no_pool else (self.pool_ref or ','.join(self.pool_endpoints))} "
                 f"pool_tls={'ca:' + self.pool_tls_ca_file if self.pool_tls_ca_file else 'off'} "
+                f"transports={','.join(self.transports) or 'all'} "
                 f"max_batch={self.engine.max_batch} max_step_tokens={self.engine.max_step_tokens} "
                 f"local_cache_blocks={self.engine.local_cache_blocks} startup_seconds={self.startup_seconds:g} {cost}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sim engine's flags (defaults from the environment where the operator sets it)."""
-    parser.add_argument("--host", default=_env("POD_IP", "DAYBREAK_POD_IP", default="127.0.0.1"),
+    # Defaults None: unset flags fall back to the engine-pod contract (api.enginepod), read in settings_from.
+    parser.add_argument("--host", default=os.environ.get("POD_IP") or "127.0.0.1",
                         help="address to listen on (default $POD_IP, else 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=int(_env("DAYBREAK_ENGINE_PORT", default="8000") or 8000),
-                        help="HTTP port (default 8000)")
-    parser.add_argument("--role", choices=[r.value for r in Role], default=_env("DAYBREAK_ROLE", default="both"),
-                        help="prefill (kv producer), decode (kv consumer) or both ($DAYBREAK_ROLE)")
-    parser.add_argument("--model", default=_env("DAYBREAK_MODEL", default="sim"),
-                        help="model name served and used as the metrics' model_name ($DAYBREAK_MODEL)")
-    parser.add_argument("--pool-endpoints", default=_env("DAYBREAK_POOL_ENDPOINTS", default=""),
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port (default $DAYBREAK_ENGINE_PORT, else 8000)")
+    parser.add_argument("--role", choices=[r.value for r in Role], default=None,
+                        help="prefill (kv producer), decode (kv consumer) or both ($DAYBREAK_ROLE, else both)")
+    parser.add_argument("--model", default=None,
+                        help="model name served and used as the metrics' model_name ($DAYBREAK_MODEL, else sim)")
+    parser.add_argument("--pool-endpoints", default=None,
                         help="comma list of pool agents host:port ($DAYBREAK_POOL_ENDPOINTS)")
-    parser.add_argument("--pool-ref", default="", metavar="NS/NAME",
-                        help="read the agents from KVPool NS/NAME's status.endpoints through the API")
-    parser.add_argument("--token", default=_env("DAYBREAK_POOL_TOKEN", default=""),
-                        help="pool token ($DAYBREAK_POOL_TOKEN); prefer --token-file")
-    parser.add_argument("--token-file", default=_env("DAYBREAK_POOL_TOKEN_FILE", default=""),
-                        help="file holding the pool token")
+    parser.add_argument("--pool-ref", default=None, metavar="NS/NAME",
+                        help="read the agents from KVPool NS/NAME's status.endpoints through the API "
+                             "($DAYBREAK_POOL_REF)")
+    parser.add_argument("--token", default=None,
+                        help="pool token; prefer --token-file (either flag replaces $DAYBREAK_POOL_TOKEN_FILE / "
+                             "$DAYBREAK_POOL_TOKEN; a file wins over a token)")
+    parser.add_argument("--token-file", default=None, help="file holding the pool token")
     parser.add_argument("--pool-tls-ca", default="", metavar="FILE",
                         help="speak TLS to the agents, checking them against this CA bundle "
                              "(default $DAYBREAK_POOL_TLS_CA_FILE; unset: plain tcp)")
-    parser.add_argument("--kv-namespace", default=_env("DAYBREAK_KV_NAMESPACE", default="sim"),
-                        help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE)")
-    parser.add_argument("--kv-layout", default=_env("DAYBREAK_KV_LAYOUT", default=json.dumps(DEFAULT_LAYOUT)),
+    parser.add_argument("--kv-namespace", default=None,
+                        help="the deployment's kvNamespace ($DAYBREAK_KV_NAMESPACE, else sim)")
+    parser.add_argument("--kv-layout", default=None,
                         help="kvLayout as JSON ($DAYBREAK_KV_LAYOUT; default Llama-3.1-8B, 16-token blocks)")
-    parser.add_argument("--block-bytes", type=int, default=int(_env("DAYBREAK_BLOCK_BYTES", default="0") or 0),
-                        help="bytes per block actually moved (default: the layout's; smaller scales KV down "
-                             "for tests and benchmarks, the cost model still charges the layout's size)")
+    parser.add_argument("--block-bytes", type=int, default=None,
+                        help="bytes per block actually moved ($DAYBREAK_BLOCK_BYTES; default: the layout's; "
+                             "smaller scales KV down for tests and benchmarks, the cost model still charges the "
+                             "layout's size)")
     parser.add_argument("--no-pool", action="store_true",
                         help="run without a pool: the engine-local prefix cache only (benchmark baseline)")
     defaults = EngineConfig()
@@ -142,32 +146,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    """Validate the flags into ``Settings``; raises ValueError saying which flag to fix."""
-    try:
-        layout = KVLayout.model_validate(json.loads(args.kv_layout))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"--kv-layout: not a valid kvLayout JSON object ({exc})") from None
-    block_bytes = args.block_bytes or layout.bytes_per_block
+def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """Validate the flags, over the engine-pod contract parsed from ``env`` (default ``os.environ``), into
+    ``Settings``; raises ValueError saying which flag or variable to fix."""
+    pod = engine_pod_env(env)
+    if args.kv_layout:
+        try:
+            layout = KVLayout.model_validate(json.loads(args.kv_layout))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--kv-layout: not a valid kvLayout JSON object ({exc})") from None
+    else:
+        layout = pod.kv_layout or KVLayout.model_validate(DEFAULT_LAYOUT)
+    block_bytes = (args.block_bytes if args.block_bytes is not None else pod.block_bytes) or layout.bytes_per_block
     if block_bytes < 1 or block_bytes > 1 << 30:
         raise ValueError(f"--block-bytes: {block_bytes} is outside 1..1Gi")
-    token = args.token
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"--token-file: cannot read {args.token_file}: {exc}") from None
-    endpoints = [e.strip() for e in args.pool_endpoints.split(",") if e.strip()]
-    if args.pool_ref and args.pool_ref.count("/") != 1:
-        raise ValueError(f"--pool-ref: give NAMESPACE/NAME, got {args.pool_ref!r}")
+    # The one credential precedence (client.env.read_pool_token): the flags' pair, if given, replaces the env's.
+    if args.token or args.token_file:
+        token = read_pool_token(token=args.token or "", token_file=args.token_file or "", source="--token-file")
+    else:
+        token = read_pool_token(token=pod.pool_token, token_file=pod.pool_token_file,
+                                source="$DAYBREAK_POOL_TOKEN_FILE")
+    endpoints = ([e.strip() for e in args.pool_endpoints.split(",") if e.strip()] if args.pool_endpoints is not None
+                 else list(pod.pool_endpoints))
+    pool_ref = args.pool_ref if args.pool_ref is not None else pod.pool_ref
+    if pool_ref and pool_ref.count("/") != 1:
+        raise ValueError(f"--pool-ref: give NAMESPACE/NAME, got {pool_ref!r}")
+    role = Role(args.role or pod.role or "both")
+    kv_namespace = args.kv_namespace or pod.kv_namespace or "sim"
     if not args.no_pool:
-        if not endpoints and not args.pool_ref:
-            raise ValueError("no pool: give --pool-endpoints (or $DAYBREAK_POOL_ENDPOINTS) or --pool-ref, "
-                             "or --no-pool to run with the engine-local cache only")
+        if not endpoints and not pool_ref:
+            raise ValueError("no pool: give --pool-endpoints (or $DAYBREAK_POOL_ENDPOINTS) or --pool-ref "
+                             "(or $DAYBREAK_POOL_REF), or --no-pool to run with the engine-local cache only")
         if not token:
-            raise ValueError("no pool token: give --token-file, --token or $DAYBREAK_POOL_TOKEN")
+            raise ValueError("no pool token: give --token-file, --token, $DAYBREAK_POOL_TOKEN_FILE or "
+                             "$DAYBREAK_POOL_TOKEN")
     cost = CostModel(**{name: getattr(args, f"cost_{name}") for name in knob_names()})
-    engine = EngineConfig(role=Role(args.role), namespace=args.kv_namespace, block_tokens=layout.block_tokens,
+    engine = EngineConfig(role=role, namespace=kv_namespace, block_tokens=layout.block_tokens,
                           block_bytes=block_bytes, model_block_bytes=layout.bytes_per_block,
                           max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
                           local_cache_blocks=args.local_cache_blocks, cost=cost)
@@ -175,10 +189,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise ValueError("--pool-workers must be at least 1")
     if not 0 <= args.startup_seconds <= 3600:
         raise ValueError(f"--startup-seconds: {args.startup_seconds} is outside 0..3600")
-    tls_ca_file = None if args.no_pool else pool_tls_ca_file(override=args.pool_tls_ca)
-    return Settings(host=args.host, port=args.port, role=Role(args.role), model=args.model,
-                    kv_namespace=args.kv_namespace, layout=layout, block_bytes=block_bytes,
-                    pool_endpoints=endpoints, pool_ref=args.pool_ref, token=token, no_pool=args.no_pool,
+    tls_ca_file = None if args.no_pool else pool_tls_ca_file(env, override=args.pool_tls_ca)
+    return Settings(host=args.host, port=args.port or pod.engine_port or 8000, role=role,
+                    model=args.model or pod.model or "sim", kv_namespace=kv_namespace, layout=layout,
+                    block_bytes=block_bytes, pool_endpoints=endpoints, pool_ref=pool_ref, token=token,
+                    no_pool=args.no_pool, transports=tuple(pod.transports),
                     engine=engine, max_model_len=args.max_model_len, drain_seconds=args.drain_seconds,
                     pool_workers=args.pool_workers, pool_tls_ca_file=tls_ca_file,
                     startup_seconds=args.startup_seconds)
@@ -220,7 +235,8 @@ async def _connect_pool(settings: Settings, stop: asyncio.Event) -> PoolIO | Non
         if not current:
             raise KVPoolError(f"KVPool {settings.pool_ref} publishes no endpoints yet")
         return KVPoolClient(list(current), token=settings.token, namespace=settings.kv_namespace,
-                            tls_ca_file=settings.pool_tls_ca_file)
+                            tls_ca_file=settings.pool_tls_ca_file, transport=settings.client_transport,
+                            transports=settings.transports or None)
 
     async def refresh() -> None:
         try:

@@ -122,6 +122,9 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("pool-bad-resource-quantity", POOL, {"agent.resources": {"limits": {"memory": "8 GB"}}},
      ["spec.agent.resources.limits.memory"]),
     ("pool-unknown-field", POOL, {"tierz": {}}, ["spec.tierz", "unknown field"]),
+    # hugePages was removed from the API (nothing backed the DRAM tier with huge pages): refused, not dropped.
+    ("pool-huge-pages-removed", POOL, {"tiers.dram.hugePages": True}, ["spec.tiers.dram.hugePages",
+                                                                        "unknown field"]),
     ("pool-tls-without-secret-name", POOL, {"tls": {}}, ["spec.tls.secretName", "Required value"]),
     ("pool-tls-empty-secret-name", POOL, {"tls": {"secretName": ""}}, ["spec.tls.secretName"]),
     ("pool-tls-secret-name-not-dns", POOL, {"tls": {"secretName": "Pool_TLS"}}, ["spec.tls.secretName"]),
@@ -145,6 +148,8 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("pdd-replicas-wrong-type", PDD, {"prefill": {"replicas": "two"}}, ["spec.prefill.replicas"]),
     ("pdd-unknown-engine", PDD, {"engine": {"kind": "tgi", "image": "x"}}, ["spec.engine.kind",
                                                                             "Unsupported value"]),
+    ("pdd-sglang-not-supported", PDD, {"engine": {"kind": "sglang", "image": "x"}},
+     ["spec.engine.kind", "kind sglang is not supported yet"]),
     ("pdd-vllm-without-image", PDD, {"engine": {"kind": "vllm"}}, ["spec.engine.image",
                                                                    "image is required unless kind is sim"]),
     ("pdd-zero-layers", PDD, {"model.kvLayout.numLayers": 0}, ["spec.model.kvLayout.numLayers"]),
@@ -178,7 +183,7 @@ def test_invalid_manifest_is_rejected_naming_the_field(api: Api, case: str, base
 
 
 # Python parses leniently on purpose (an older operator must read newer objects): unknown fields are dropped.
-PYTHON_ACCEPTS = {"pool-unknown-field"}
+PYTHON_ACCEPTS = {"pool-unknown-field", "pool-huge-pages-removed"}
 
 
 @pytest.mark.parametrize(("case", "base", "edits", "expected"), INVALID, ids=[c[0] for c in INVALID])
@@ -242,7 +247,7 @@ def test_server_defaults_show_in_get_and_match_python_defaults(applied: Api) -> 
     assert spec["transport"] == {"preference": ["shm", "link", "tcp"]}
     assert spec["agent"] == {"port": 7400}
     assert spec["leaseSeconds"] == 10
-    assert spec["tiers"]["dram"] == {"bytesPerNode": "8Gi", "enabled": True, "hugePages": False}
+    assert spec["tiers"]["dram"] == {"bytesPerNode": "8Gi", "enabled": True}
     as_yaml = applied.kubectl("get", "-n", NS, "kvp", "kv-minimal", "-o", "yaml").stdout
     assert "highWatermark: 0.9" in as_yaml and "leaseSeconds: 10" in as_yaml
     # Every example: what the server stored equals what the Python models fill in.

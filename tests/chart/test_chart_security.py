@@ -293,7 +293,7 @@ def test_operator_writes_beyond_the_tiers_are_refused_by_the_api_server(kube: Lo
     _wait_operator_policy(kube)
     # What the operator really builds passes: a pool with every tier and rdma, and a PD deployment.
     real = _built_pool(transport={"preference": ["shm", "rdma", "tcp"]},
-                       tiers={"dram": {"bytesPerNode": "1Gi", "hugePages": True},
+                       tiers={"dram": {"bytesPerNode": "1Gi"},
                               "ssd": {"path": "/var/lib/daybreak/kv", "bytesPerNode": "1Gi"}})
     ds = next(m for m in real.applied if m["kind"] == "DaemonSet")
     assert _as_operator(kube, "create", ds, namespace=POOL_NS).returncode == 0

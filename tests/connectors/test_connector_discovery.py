@@ -159,6 +159,9 @@ def test_bad_references_and_missing_credentials_fail_at_once(tmp_path: Path) -> 
                                           poll_seconds=0.1)
     assert time.monotonic() - started < 30  # not the 60 s timeout: waiting cannot bring credentials
     with pytest.raises(discovery.PoolRefError, match="is not NAMESPACE/NAME"):
+        PoolSettings.resolve({"pool_ref": "just-a-name"}, env)
+    # The engine-pod contract refuses it before anything is looked up, naming the variable.
+    with pytest.raises(ConnectorConfigError, match=r"\$DAYBREAK_POOL_REF: .*give NAMESPACE/NAME"):
         PoolSettings.resolve({}, {**env, "DAYBREAK_POOL_REF": "just-a-name"})
     with pytest.raises(ConnectorConfigError, match="discovery_timeout_seconds must be a positive number"):
         PoolSettings.resolve({"discovery_timeout_seconds": "soon"}, env)

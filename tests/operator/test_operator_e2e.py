@@ -212,6 +212,13 @@ def test_agents_run_only_on_accelerator_nodes_and_status_fills_in(env: Env) -> N
     assert sorted(e["node"] for e in status["endpoints"]) == sorted(ACCEL_NODES)
     assert status["capacity"]["dram"] >= 2 * 2**30
     assert status["observedGeneration"] == pool["metadata"]["generation"]
+    # Endpoint transports are what each agent reports running (its KVNode), not the spec's list: rdma is
+    # listed but no node here has an RDMA NIC, so the agents run shm and tcp.
+    measured = wait_for("endpoints with the agents' own transports",
+                        lambda: (p := env.pool("pool-a")) and p["status"]["endpoints"]
+                        and all(e.get("transports") for e in p["status"]["endpoints"]) and p["status"]["endpoints"],
+                        timeout=120, env=env)
+    assert [e["transports"] for e in measured] == [["shm", "tcp"]] * 2
 
     pdd = wait_for("sim-a Ready", lambda: (p := env.pdd("sim-a")) and condition(p, "Ready").get("status") == "True"
                    and p, timeout=120, env=env)

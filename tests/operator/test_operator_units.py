@@ -75,9 +75,8 @@ def test_standard_labels_and_owner_reference() -> None:
 
 # -- KVPool children --------------------------------------------------------------------------
 def test_pool_children_and_agent_privileges() -> None:
-    # The production example with its DRAM tier on huge pages: every host path an agent can get.
-    pool = _pool("kvpool-production.yaml", tiers={"dram": {"bytesPerNode": "256Gi", "hugePages": True},
-                                                  "ssd": {"path": "/mnt/nvme0/daybreak", "bytesPerNode": "3Ti"}})
+    # The production example (rdma, an SSD tier): every host path an agent can get.
+    pool = _pool("kvpool-production.yaml")
     out = pool_mod.build(pool, image=IMAGE)
     kinds = [m["kind"] for m in out.applied]
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "DaemonSet"]
@@ -95,7 +94,7 @@ def test_pool_children_and_agent_privileges() -> None:
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/host/sys"]["readOnly"] is True
     assert set(mounts) == {"/host/sys", "/dev/shm", "/etc/daybreak", "/var/run/daybreak/token", "/tmp",
-                           "/mnt/nvme0/daybreak", "/dev/hugepages", "/dev/infiniband"}
+                           "/mnt/nvme0/daybreak", "/dev/infiniband"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["host-sys"]["hostPath"]["path"] == "/sys"
     assert volumes["ssd"]["hostPath"] == {"path": "/mnt/nvme0/daybreak", "type": "DirectoryOrCreate"}
@@ -103,7 +102,7 @@ def test_pool_children_and_agent_privileges() -> None:
     assert agent["readinessProbe"]["tcpSocket"]["port"] == "store"
     assert agent["resources"] == {"limits": {"memory": "260Gi"}, "requests": {"cpu": "2", "memory": "260Gi"}}
     assert out.token_secret is not None and out.token_secret["metadata"]["name"] == "kv-production-token"
-    # rdma and huge pages: root, with IPC_LOCK as its only capability (see operator/pool.py).
+    # rdma: root, with IPC_LOCK as its only capability (see operator/pool.py).
     assert pod["securityContext"]["runAsUser"] == 0 and "initContainers" not in pod
     (role,) = _by_kind(out.applied, "Role")
     # Its own pool, and what the credential minter needs: see PDDeployments, create (never read) Secrets.
@@ -132,8 +131,7 @@ def test_pool_config_is_valid_agent_settings_and_hash_follows_it() -> None:
     assert settings.replicas == 2 and settings.pool_name == "kv-production" and settings.pool_namespace == "ns1"
     assert settings.eviction_policy == "s3fifo" and settings.high_watermark == 0.92
     assert settings.listen == "0.0.0.0:7400"
-    assert json.loads(cm["data"]["pool.json"])["tiers"]["dram"] == {"bytesPerNode": 256 * 2**30, "enabled": True,
-                                                                    "hugePages": False}
+    assert "hugePages" not in json.loads(cm["data"]["pool.json"])["tiers"]["dram"]  # removed from the API
     (ds,) = _by_kind(out.applied, "DaemonSet")
     hash1 = ds["spec"]["template"]["metadata"]["annotations"][pool_mod.CONFIG_HASH_ANNOTATION]
     changed = _pool("kvpool-production.yaml", leaseSeconds=20)

@@ -35,7 +35,7 @@ def hbm_store(libdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockSt
     pool = f"h{uuid.uuid4().hex[:8]}"
     store = BlockStore(StoreConfig(prefix=f"daybreak-{pool}-x", dram_bytes=8 << 20, policy="lru",
                                    high_watermark=0.75, low_watermark=0.5,
-                                   hbm=HbmTier(runtime=rt, device=0, capacity=4 << 20)))
+                                   hbm=HbmTier(runtime=rt, devices=[0], capacity=4 << 20)))
     store.open()
     yield store
     store.close(unlink=True)
@@ -111,7 +111,7 @@ def test_agent_with_hbm_tier_serves_clients(libdir: Path, tmp_path: Path, monkey
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
         assert 'daybreak_store_hits_total{tier="hbm"} 4.0' in text
         assert "daybreak_store_misses_total 1.0" in text
-        assert 'daybreak_store_capacity_bytes{tier="hbm"} 8.388608e+06' in text
+        assert 'daybreak_store_capacity_bytes{tier="hbm"} 1.6777216e+07' in text  # --hbm on each of 2 devices
         assert 'daybreak_store_request_seconds_count{op="put"}' in text
     finally:
         agent.kill()

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daybreak.agent.transfer import TransferEngine
 from daybreak.client import KVPoolClient
+from daybreak.pool.connection import Connection, RemoteError
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
 
@@ -108,3 +109,69 @@ def test_one_sided_engine_moves_on_this_node_count_as_shm(pool: str, tmp_path: P
         assert 'daybreak_store_request_seconds_count{op="xlocate"} 1.0' in text
     finally:
         agent.kill()
+
+
+def test_an_agent_allowed_only_tcp_serves_same_node_clients_over_tcp(pool: str, tmp_path: Path) -> None:
+    """transport.preference [tcp]: no shm bytes, not by memcpy and not by the one-sided engine."""
+    port = free_port()
+    agent = _start(pool, tmp_path, metrics_port=port, extra=["--transports", "tcp"])
+    try:
+        assert agent.wait_log("transports=tcp "), agent.log[-2000:]  # the engine brought up tcp alone
+        _put_get(agent, transport="auto", prefix="a", count=3, size=64 << 10)  # same node, yet no memcpy
+        token = agent.token_file.read_text().strip()
+        data = [bytes([5]) * (32 << 10)]
+        with TransferEngine(token=token) as engine, \
+                KVPoolClient([agent.address], token=token, namespace="ns", engine=engine) as c:
+            assert c.batch_put(["e0"], data) == [1]
+            out = [bytearray(32 << 10)]
+            assert c.batch_get_into(["e0"], out) == [32 << 10] and bytes(out[0]) == data[0]
+        moved = _moved(port)
+        assert moved.get(("tcp", "write")) == 3 * (64 << 10) + (32 << 10)
+        assert moved.get(("tcp", "read")) == 3 * (64 << 10) + (32 << 10)
+        assert not moved.get(("shm", "write")) and not moved.get(("shm", "read"))
+        # A client that maps segments anyway (an old one, or one ignoring the hello) is refused, not served.
+        conn = Connection(agent.address, token=token.encode())
+        try:
+            with pytest.raises(RemoteError, match="shm is not among this pool's transports"):
+                conn.alloc(["x"], [4096], [0])
+        finally:
+            conn.close()
+    finally:
+        agent.kill()
+
+
+def test_an_agent_allowed_shm_and_tcp_moves_same_node_bytes_over_shm(pool: str, tmp_path: Path) -> None:
+    port = free_port()
+    agent = _start(pool, tmp_path, metrics_port=port, extra=["--transports", "shm,tcp"])
+    try:
+        assert agent.wait_log("transports=shm,tcp "), agent.log[-2000:]
+        _put_get(agent, transport="auto", prefix="b", count=2, size=64 << 10)
+        moved = _moved(port)
+        assert moved.get(("shm", "write")) == 2 * (64 << 10) and moved.get(("shm", "read")) == 2 * (64 << 10)
+        assert not moved.get(("tcp", "write")) and not moved.get(("tcp", "read"))
+    finally:
+        agent.kill()
+
+
+def test_a_client_told_tcp_only_never_maps_a_same_node_agent(pool: str, tmp_path: Path) -> None:
+    """The client side of the preference: an agent offering shm, a client whose pool allows only tcp."""
+    port = free_port()
+    agent = _start(pool, tmp_path, metrics_port=port)
+    try:
+        token = agent.token_file.read_text().strip()
+        data = [bytes([3]) * (16 << 10), bytes([4]) * (16 << 10)]
+        with TransferEngine(token=token) as engine, \
+                KVPoolClient([agent.address], token=token, namespace="ns", engine=engine, transports=["tcp"]) as c:
+            assert c.batch_put(["c0", "c1"], data) == [1, 1]
+            out = [bytearray(16 << 10) for _ in data]
+            assert c.batch_get_into(["c0", "c1"], out) == [16 << 10] * 2 and [bytes(o) for o in out] == data
+        moved = _moved(port)
+        assert moved.get(("tcp", "write")) == 32 << 10 and moved.get(("tcp", "read")) == 32 << 10
+        assert not moved.get(("shm", "write")) and not moved.get(("shm", "read"))
+    finally:
+        agent.kill()
+
+
+def test_a_client_refuses_an_unknown_transport_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"transports: .*pigeon"):
+        KVPoolClient(["127.0.0.1:1"], token="x" * 64, namespace="ns", transports=["pigeon"])
