@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from daybreak.api.base import GROUP, VERSION
+from daybreak.api.labels import GROUP, PDDEPLOYMENT_PLURAL, VERSION
+from daybreak.client.kubewatch import watch_with_backoff
 from daybreak.pool.credentials import NAMESPACE_PATTERN
 from daybreak.pool.engine_secret import credential_secret_name, engine_credential_secret
 
 log = logging.getLogger(__name__)
 
-PLURAL = "pddeployments"
-MAX_BACKOFF_SECONDS = 30.0
+PLURAL = PDDEPLOYMENT_PLURAL
 WATCH_SECONDS = 300  # a fresh list this often re-mints anything missed (e.g. a Secret deleted by hand)
 
 
@@ -92,32 +92,18 @@ class CredentialMinter:
 
     async def run(self, stop: asyncio.Event) -> None:
         """List and watch the namespace's PDDeployments until ``stop``; failures back off and retry."""
-        backoff = 1.0
-        while not stop.is_set():
-            task = asyncio.create_task(self._watch_once())
-            stopped = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if stopped in done:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return
-            stopped.cancel()
-            exc = task.exception()
-            if exc is None:
-                backoff = 1.0
-                continue  # the server closed the watch at WATCH_SECONDS: list again, watch again
+        def failed(exc: BaseException, retry_in: float) -> None:
             log.warning("event=credential_mint_failed pool=%s/%s error=%r retry_in=%.0fs", self.namespace,
-                        self.pool, str(exc), backoff)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=backoff)
-            except TimeoutError:
-                pass
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+                        self.pool, str(exc), retry_in)
 
-    async def _watch_once(self) -> None:
+        # A clean end is the server closing the watch at WATCH_SECONDS: list again, watch again.
+        await watch_with_backoff(self._watch_once, on_failure=failed, stop=stop)
+
+    async def _watch_once(self, progress: Callable[[], None]) -> None:
         listing = await self._custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
         for item in listing.get("items") or []:
             await self.mint(item)
+        progress()  # the API answers again: the next failure waits the shortest time
         version = (listing.get("metadata") or {}).get("resourceVersion")
         async with k8s_watch.Watch().stream(
             self._custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.agent.settings import AgentSettings
+from daybreak.api.metrics import STORE_BYTES, total
+from daybreak.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +367,7 @@ def _with_store_bytes(conditions: list[dict[str, Any]], metrics: Any) -> list[di
     KVNode then shows every byte the agent moved per transport, not only the engine's one-sided ones.
     """
     def moved(label: str) -> int:
-        return int(sum(metrics.registry.get_sample_value("daybreak_store_bytes_total",
+        return int(sum(metrics.registry.get_sample_value(total(STORE_BYTES),
                                                          {"transport": label, "op": op}) or 0
                        for op in ("read", "write")))
 
@@ -457,8 +459,7 @@ def _run_node(settings: AgentSettings, stop: threading.Event, server: Any) -> in
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    setup_logging(args.log_level)
     try:
         settings = settings_from(args)
     except ValueError as exc:

@@ -18,10 +18,12 @@ from typing import Any
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
 
+from daybreak.api.labels import GROUP, KVPOOL_PLURAL, VERSION
+from daybreak.client.kubewatch import watch_with_backoff
+
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "daybreak.dev", "v1alpha1", "kvpools"
-MAX_BACKOFF_SECONDS = 30.0
+PLURAL = KVPOOL_PLURAL
 
 
 def pool_endpoints(pool: Mapping[str, Any]) -> list[str]:
@@ -42,16 +44,15 @@ async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, po
     """
     custom = k8s_client.CustomObjectsApi(api)
     current: list[str] | None = None
-    backoff = 1.0
 
-    async def watch_once() -> None:
-        nonlocal current, backoff
+    async def watch_once(progress: Callable[[], None]) -> None:
+        nonlocal current
         async with k8s_watch.Watch().stream(
             custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
             field_selector=f"metadata.name={pool}", timeout_seconds=timeout_seconds,
         ) as stream:
             async for event in stream:
-                backoff = 1.0
+                progress()
                 if event.get("type") == "DELETED":
                     addresses: list[str] = []
                     if on_deleted is not None:
@@ -70,21 +71,7 @@ async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, po
                     current = addresses
                     on_change(addresses)
 
-    while not stop.is_set():
-        task = asyncio.create_task(watch_once())
-        stopped = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if stopped in done:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return
-        stopped.cancel()
-        exc = task.exception()
-        if exc is None:
-            continue  # the server closed the watch at timeout_seconds: open the next one
-        log.warning("event=pool_watch_failed pool=%s/%s error=%r retry_in=%.0fs", namespace, pool, str(exc), backoff)
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=backoff)
-        except TimeoutError:
-            pass
-        backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+    def failed(exc: BaseException, retry_in: float) -> None:
+        log.warning("event=pool_watch_failed pool=%s/%s error=%r retry_in=%.0fs", namespace, pool, str(exc), retry_in)
+
+    await watch_with_backoff(watch_once, on_failure=failed, stop=stop)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from daybreak.agent.registration import MemoryRegistrar, Registrar, Segment
 from daybreak.agent.runtime import LoadedRuntime, load_runtime
 from daybreak.agent.settings import AgentSettings
 from daybreak.agent.topology import Topology, discover, parse_vendor_ids
+from daybreak.logs import setup_logging
 
 if TYPE_CHECKING:
     from daybreak.agent.publish import NodePublisher
@@ -201,7 +201,7 @@ async def run_node_agent(settings: AgentSettings, *, store_segments: SegmentSour
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run only the node side (no store), configured from DAYBREAK_* variables; stops on SIGTERM/SIGINT."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.INFO)
     settings = AgentSettings.load()
     log.info("settings %s", settings.describe())
 

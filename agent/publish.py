@@ -14,19 +14,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from daybreak.agent.registration import MemoryRegistrar, Segment
 from daybreak.agent.topology import Topology
+from daybreak.api import labels as vocab
 from daybreak.api.base import GROUP, VERSION
 from daybreak.api.kube import Condition, ConditionStatus
 from daybreak.api.node import (
@@ -45,20 +44,22 @@ from daybreak.api.node import (
     NodeTierBytes,
     NodeTransport,
 )
+from daybreak.client.kubeconfig import load_kube_config
+from daybreak.client.kubewatch import watch_with_backoff
 from daybreak.version import __version__
 
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "daybreak-agent"
 APPLY = "application/apply-patch+yaml"
-LABEL_ACCELERATOR = "daybreak.dev/accelerator"
-LABEL_COUNT = "daybreak.dev/accelerator-count"
-LABEL_MEMORY = "daybreak.dev/accelerator-memory"
-LABEL_RDMA = "daybreak.dev/rdma"
-LABEL_GDR = "daybreak.dev/gdr"
-LABEL_LINK_DOMAIN = "daybreak.dev/link-domain"
-LABELS = (LABEL_ACCELERATOR, LABEL_COUNT, LABEL_MEMORY, LABEL_RDMA, LABEL_GDR, LABEL_LINK_DOMAIN)
-KVNODE_PLURAL = "kvnodes"
+LABEL_ACCELERATOR = vocab.ACCELERATOR
+LABEL_COUNT = vocab.ACCELERATOR_COUNT
+LABEL_MEMORY = vocab.ACCELERATOR_MEMORY
+LABEL_RDMA = vocab.RDMA
+LABEL_GDR = vocab.GDR
+LABEL_LINK_DOMAIN = vocab.LINK_DOMAIN
+LABELS = vocab.NODE_LABELS
+KVNODE_PLURAL = vocab.KVNODE_PLURAL
 
 # What the agent's ServiceAccount needs, per node (the chart renders one binding per node or uses a
 # node-authorizer-like webhook; resourceNames pins each rule to the agent's own objects).
@@ -177,14 +178,8 @@ def kvnode_status(topo: Topology, registrar: MemoryRegistrar, *, node_name: str,
 
 async def load_client(kubeconfig: str) -> k8s_client.ApiClient:
     """An ApiClient from a kubeconfig file (``$KUBECONFIG`` when ``kubeconfig`` is empty), else in-cluster."""
-    # The local process kubelet hands each pod a KUBECONFIG of its ServiceAccount instead of a mounted token.
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG", "")
-    configuration = k8s_client.Configuration()
-    if kubeconfig:
-        await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        k8s_config.load_incluster_config(client_configuration=configuration)
-    api = k8s_client.ApiClient(configuration)
+    loaded = await load_kube_config(kubeconfig or None)  # "" in the agent's settings: not set
+    api = k8s_client.ApiClient(loaded.configuration)
     api.user_agent = f"daybreak-agent/{__version__}"
     return api
 
@@ -217,9 +212,9 @@ class NodePublisher:
     async def apply_kvnode(self, status: KVNodeStatus) -> None:
         """Create-or-update the object (owned by the Node, so it is collected with it), then its status."""
         obj = KVNode(spec=KVNodeSpec(node_name=self.node_name))
-        meta = {"name": self.node_name, "labels": {"app.kubernetes.io/name": "daybreak",
-                                                   "app.kubernetes.io/component": "agent",
-                                                   "app.kubernetes.io/managed-by": FIELD_MANAGER},
+        meta = {"name": self.node_name, "labels": {vocab.NAME: "daybreak",
+                                                   vocab.COMPONENT: "agent",
+                                                   vocab.MANAGED_BY: FIELD_MANAGER},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.node_name,
                                      "uid": await self.node_uid()}]}
         body = {"apiVersion": obj.api_version, "kind": obj.kind, "metadata": meta, "spec": obj.spec.to_dict()}
@@ -241,21 +236,25 @@ class NodePublisher:
         """Set ``drifted`` whenever this node's daybreak labels differ from ``desired`` (which the caller
         updates in place). Watches ONLY this node (field selector), restarting after each server timeout."""
         selector = f"metadata.name={self.node_name}"
-        while True:
-            try:
-                async with k8s_watch.Watch().stream(self._core.list_node, field_selector=selector,
-                                                    timeout_seconds=timeout_seconds) as stream:
-                    async for event in stream:
-                        raw = event.get("raw_object") or {}
-                        labels = (raw.get("metadata") or {}).get("labels") or {}
-                        mine = {k: v for k, v in labels.items() if k in LABELS}
-                        if desired and mine != dict(desired):
-                            log.info("node=%s labels drifted have=%s want=%s", self.node_name, mine, dict(desired))
-                            drifted.set()
-            except ApiException as exc:
-                log.warning("node=%s watch failed status=%s reason=%r; retrying", self.node_name, exc.status,
-                            exc.reason)
-                await asyncio.sleep(5)
-            except Exception as exc:  # connection resets, payload errors: the watch is best effort
-                log.warning("node=%s watch interrupted error=%r; retrying", self.node_name, str(exc))
-                await asyncio.sleep(5)
+
+        async def watch_once(progress: Callable[[], None]) -> None:
+            async with k8s_watch.Watch().stream(self._core.list_node, field_selector=selector,
+                                                timeout_seconds=timeout_seconds) as stream:
+                async for event in stream:
+                    progress()
+                    raw = event.get("raw_object") or {}
+                    labels = (raw.get("metadata") or {}).get("labels") or {}
+                    mine = {k: v for k, v in labels.items() if k in LABELS}
+                    if desired and mine != dict(desired):
+                        log.info("node=%s labels drifted have=%s want=%s", self.node_name, mine, dict(desired))
+                        drifted.set()
+
+        def failed(exc: BaseException, retry_in: float) -> None:
+            # connection resets, payload errors, API refusals: the watch is best effort and retried
+            if isinstance(exc, ApiException):
+                log.warning("node=%s watch failed status=%s reason=%r retry_in=%.0fs", self.node_name, exc.status,
+                            exc.reason, retry_in)
+            else:
+                log.warning("node=%s watch interrupted error=%r retry_in=%.0fs", self.node_name, str(exc), retry_in)
+
+        await watch_with_backoff(watch_once, on_failure=failed)

@@ -14,6 +14,7 @@ from typing import Any
 
 from daybreak.agent.runtime import load_runtime
 from daybreak.agent.topology import LEGEND, Topology, discover, parse_vendor_ids
+from daybreak.logs import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +75,7 @@ def render(topo: Topology) -> str:
 def run(args: argparse.Namespace) -> int:
     from daybreak.agent.settings import AgentSettings
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s %(message)s")
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     overrides: dict[str, Any] = {"sysfs_root": args.sysfs_root, "runtime": args.runtime,
                                  "sunrise_lib_dir": args.sunrise_lib_dir}
     try:

@@ -22,9 +22,7 @@ from typing import Any, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-GROUP = "daybreak.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+from daybreak.api.labels import API_VERSION, GROUP, VERSION  # re-exported: ``daybreak.api`` names them
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from daybreak.api.kube import (
     Toleration,
     conditions_field,
 )
+from daybreak.api.labels import KVPOOL_KIND, KVPOOL_PLURAL
 
 
 class EvictionPolicy(StrEnum):
@@ -290,8 +291,8 @@ class KVPool(CustomResource):
     """A pool of KV cache memory (HBM, DRAM, SSD) served by a node agent on each selected node."""
 
     crd: ClassVar[CRDInfo] = CRDInfo(
-        kind="KVPool",
-        plural="kvpools",
+        kind=KVPOOL_KIND,
+        plural=KVPOOL_PLURAL,
         short_names=("kvp",),
         printer_columns=(
             PrinterColumn("Ready Nodes", ".status.nodes.ready", "integer", "Nodes with a ready agent"),

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from daybreak.api.base import ApiModel, CRDInfo, CustomResource, PrinterColumn
 from daybreak.api.kube import Condition, conditions_field
+from daybreak.api.labels import KVNODE_KIND, KVNODE_PLURAL
 
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
@@ -223,8 +224,8 @@ class KVNode(CustomResource):
     """One node's accelerators, NICs, link classes, registered memory and tier capacity, kept by its agent."""
 
     crd: ClassVar[CRDInfo] = CRDInfo(
-        kind="KVNode",
-        plural="kvnodes",
+        kind=KVNODE_KIND,
+        plural=KVNODE_PLURAL,
         short_names=("kvn",),
         scope="Cluster",
         printer_columns=(

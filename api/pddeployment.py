@@ -27,6 +27,7 @@ from daybreak.api.kube import (
     env_field,
 )
 from daybreak.api.kvcompat import EngineKind, KVLayout, kv_namespace
+from daybreak.api.labels import PDDEPLOYMENT_KIND, PDDEPLOYMENT_PLURAL
 
 
 class Role(StrEnum):
@@ -333,8 +334,8 @@ class PDDeployment(CustomResource):
     """A model served by disaggregated prefill and decode engines sharing a KVPool."""
 
     crd: ClassVar[CRDInfo] = CRDInfo(
-        kind="PDDeployment",
-        plural="pddeployments",
+        kind=PDDEPLOYMENT_KIND,
+        plural=PDDEPLOYMENT_PLURAL,
         short_names=("pdd",),
         printer_columns=(
             PrinterColumn("Prefill", ".status.prefill.readyReplicas", "integer", "Ready prefill pods"),

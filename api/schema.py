@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from daybreak.api import labels
 from daybreak.api.base import CustomResource
 from daybreak.errors import DaybreakError
 
@@ -220,7 +221,7 @@ def crd_document(model: type[CustomResource]) -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": info.name,
-            "labels": {"app.kubernetes.io/name": "daybreak", "app.kubernetes.io/part-of": "daybreak"},
+            "labels": {labels.NAME: "daybreak", labels.PART_OF: "daybreak"},
         },
         "spec": {
             "group": info.group,

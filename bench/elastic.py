@@ -67,6 +67,7 @@ from typing import Any
 import httpx
 import yaml
 
+from daybreak.api import labels as vocab
 from daybreak.serving.load.summary import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
     """
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
-        "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
+        "apiVersion": vocab.API_VERSION, "kind": "PDDeployment", "metadata": {"name": name},
         "spec": {
             "poolRef": {"name": "pool"},
             # A small layout (1 KiB blocks) so the KV bytes moved stay cheap on 2 cores.
@@ -444,7 +445,7 @@ class Bench:
         for p in self.pods(name):
             labels = p["metadata"].get("labels") or {}
             conds = (p.get("status") or {}).get("conditions") or []
-            if labels.get("daybreak.dev/role") == "router" and any(
+            if labels.get(vocab.ROLE) == "router" and any(
                     c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
                 return f"http://{p['status']['podIP']}:8000"
         return None
@@ -514,7 +515,7 @@ class Bench:
         decode = [(s.t, s.decode_ready) for s in self.samples]
         events = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name={name},"
                           "reason=Autoscaled")["items"]
-        pdd = self.get(f"/apis/daybreak.dev/v1alpha1/namespaces/{NS}/pddeployments/{name}")
+        pdd = self.get(f"/apis/{vocab.API_VERSION}/namespaces/{NS}/{vocab.PDDEPLOYMENT_PLURAL}/{name}")
         result = {
             "config": config, "startup_seconds": startup_seconds, "replicas_at_start": list(replicas),
             "requests": len(records), "failed_requests": sum(1 for r in records if not r.ok),
@@ -640,8 +641,8 @@ def run(args: argparse.Namespace) -> int:
         op = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=workdir / "operator.log", namespace=NS,
                              lease_namespace=NS, resync_seconds=30).start()
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
-            "apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool", "metadata": {"name": "pool"},
-            "spec": {"nodeSelector": {"daybreak.dev/accelerator": "sunrise"},
+            "apiVersion": vocab.API_VERSION, "kind": "KVPool", "metadata": {"name": "pool"},
+            "spec": {"nodeSelector": {vocab.ACCELERATOR: "sunrise"},
                      "tiers": {"dram": {"bytesPerNode": "256Mi"}}, "transport": {"preference": ["tcp"]}}}))
         with cluster.api() as api:
             bench = Bench(args, cluster, api, workdir, sized)

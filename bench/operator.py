@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from daybreak.api import labels as vocab
+from daybreak.api.metrics import OPERATOR_APISERVER_ERRORS, OPERATOR_RECONCILES, total
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
 from daybreak.testing.operator_process import OperatorProcess
 
@@ -75,7 +77,7 @@ def _watch(cluster: LocalCluster, path: str, seen: _Seen, stop: threading.Event)
 
 def _pdd(name: str) -> dict[str, Any]:
     return {
-        "apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": name},
+        "apiVersion": vocab.API_VERSION, "kind": "PDDeployment", "metadata": {"name": name},
         "spec": {
             "poolRef": {"name": "bench-pool"},
             "model": {"name": "bench/model", "revision": name,
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 def _tear_down(cluster: LocalCluster, namespace: str) -> None:
     """Delete a phase's PDDeployments and Services: the local cluster's Service range (/24) holds ~250 ClusterIPs."""
     with cluster.api() as api:
-        api.delete(f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/pddeployments").raise_for_status()
+        api.delete(f"/apis/{vocab.API_VERSION}/namespaces/{namespace}/{vocab.PDDEPLOYMENT_PLURAL}").raise_for_status()
         for svc in api.get(f"/api/v1/namespaces/{namespace}/services").json().get("items", []):
             api.delete(f"/api/v1/namespaces/{namespace}/services/{svc['metadata']['name']}")
 
@@ -154,10 +156,10 @@ def _phase(cluster: LocalCluster, op: OperatorProcess, args: argparse.Namespace,
            rate: float) -> dict[str, Any] | None:
     """Create the pool, then the PDDeployments (all at once when ``rate`` is 0, else ``rate`` per second)."""
     api = cluster.api()
-    base = f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}"
-    pool = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "KVPool", "metadata": {"name": "bench-pool"},
+    base = f"/apis/{vocab.API_VERSION}/namespaces/{namespace}"
+    pool = {"apiVersion": vocab.API_VERSION, "kind": "KVPool", "metadata": {"name": "bench-pool"},
             "spec": {"tiers": {"dram": {"bytesPerNode": "1Gi"}}}}
-    api.post(f"{base}/kvpools", json=pool).raise_for_status()
+    api.post(f"{base}/{vocab.KVPOOL_PLURAL}", json=pool).raise_for_status()
     deadline = time.monotonic() + args.timeout
     while api.get(f"/apis/apps/v1/namespaces/{namespace}/daemonsets/bench-pool-agent").status_code != 200:
         if time.monotonic() > deadline or not op.alive():
@@ -173,12 +175,12 @@ def _phase(cluster: LocalCluster, op: OperatorProcess, args: argparse.Namespace,
     names = [f"pdd-{i:04d}" for i in range(args.deployments)]
     pids = {"operator": op.pid, **{k: v for k, v in cluster.pids().items() if k in ("kube-apiserver", "etcd")}}
     cpu_before = {k: _cpu_seconds(p) for k, p in pids.items()}
-    reconciles_before = op.metric("daybreak_operator_reconciles_total")
+    reconciles_before = op.metric(total(OPERATOR_RECONCILES))
     created: dict[str, float] = {}
     started = time.monotonic()
 
     def create(name: str) -> None:
-        r = api.post(f"{base}/pddeployments", json=_pdd(name))
+        r = api.post(f"{base}/{vocab.PDDEPLOYMENT_PLURAL}", json=_pdd(name))
         r.raise_for_status()
         created[name] = time.monotonic()
 
@@ -216,8 +218,8 @@ def _phase(cluster: LocalCluster, op: OperatorProcess, args: argparse.Namespace,
         "create_seconds": round(created_all, 2), "total_seconds": round(max(finished.values()) - started, 2),
         "p50_seconds": round(statistics.median(latencies), 3), "p99_seconds": round(_percentile(latencies, 0.99), 3),
         "max_seconds": round(max(latencies), 3), "rss_mb": 0.0,
-        "reconciles": int(op.metric("daybreak_operator_reconciles_total") - reconciles_before),
-        "apiserver_errors": int(op.metric("daybreak_operator_apiserver_errors_total")),
+        "reconciles": int(op.metric(total(OPERATOR_RECONCILES)) - reconciles_before),
+        "apiserver_errors": int(op.metric(total(OPERATOR_APISERVER_ERRORS))),
         "cpu_seconds": {k: round(_cpu_seconds(p) - cpu_before[k], 1) for k, p in pids.items()},
     }
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daybreak.connectors.local import VllmServer, daybreak_transfer_config
+from daybreak.testing.vllm_server import VllmServer, daybreak_transfer_config
 
 _LOADED = re.compile(r"event=loaded blocks=(\d+) failed=(\d+) bytes=(\d+) seconds=([0-9.]+)")
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         model = args.model_dir or work / "model"
         print(f"building the ~111 M-parameter model in {model} ...", flush=True)
-        subprocess.run([str(python), "-m", "daybreak.connectors.tinymodel", "--out", str(model), "--shape", "bench"],
+        subprocess.run([str(python), "-m", "daybreak.testing.tinymodel", "--out", str(model), "--shape", "bench"],
                        check=True, env={"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
                        stdout=subprocess.DEVNULL)
         pool_name = f"bv{uuid.uuid4().hex[:8]}"

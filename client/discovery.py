@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from daybreak.api.labels import API_VERSION, KVPOOL_PLURAL
+from daybreak.client.kubeconfig import SERVICE_ACCOUNT_DIR
 from daybreak.errors import DaybreakError
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Seconds per API call: callers poll about every second, so a slow call must not pile up.
 REQUEST_TIMEOUT = 5.0
 # Between reads of a pool that has no endpoints yet: agents come up within seconds of each other.
@@ -82,23 +82,13 @@ async def load_api(kubeconfig: str | None = None, *, service_account_dir: str = 
     Raises ``KubeLookupError`` (status 0) naming both sources when neither is there.
     """
     from kubernetes_asyncio import client as k8s_client
-    from kubernetes_asyncio import config as k8s_config
 
-    path = kubeconfig if kubeconfig is not None else os.environ.get("KUBECONFIG", "")
-    configuration = k8s_client.Configuration()
-    if path:
-        await k8s_config.load_kube_config(config_file=path, client_configuration=configuration)
-    else:
-        token = os.path.join(service_account_dir, "token")
-        try:
-            # try_refresh_token: the kubelet rotates the projected token; the loader re-reads it.
-            k8s_config.load_incluster_config(client_configuration=configuration, try_refresh_token=True,
-                                             token_filename=token,
-                                             cert_filename=os.path.join(service_account_dir, "ca.crt"))
-        except k8s_config.ConfigException as exc:
-            raise KubeLookupError("(config)", status=0, message=(
-                f"no KUBECONFIG set and no in-cluster ServiceAccount ({exc}); set KUBECONFIG or run in a pod"
-            )) from None
+    from daybreak.client.kubeconfig import KubeConfigError, load_kube_config
+
+    try:
+        configuration = (await load_kube_config(kubeconfig, service_account_dir=service_account_dir)).configuration
+    except KubeConfigError as exc:
+        raise KubeLookupError("(config)", status=0, message=str(exc)) from None
     api = k8s_client.ApiClient(configuration)
     api.user_agent = user_agent
     return api
@@ -140,7 +130,7 @@ def endpoints_from_pool(obj: Mapping[str, Any]) -> list[str]:
 
 def pool_path(namespace: str, pool: str) -> str:
     """The API path of a KVPool."""
-    return f"/apis/daybreak.dev/v1alpha1/namespaces/{namespace}/kvpools/{pool}"
+    return f"/apis/{API_VERSION}/namespaces/{namespace}/{KVPOOL_PLURAL}/{pool}"
 
 
 async def pool_endpoints(api: ApiClient, *, namespace: str, pool: str) -> list[str]:

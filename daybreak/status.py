@@ -25,6 +25,14 @@ from typing import Any
 
 from daybreak.api.kube import Condition
 from daybreak.api.kvpool import KVPool
+from daybreak.api.metrics import (
+    STORE_BYTES,
+    STORE_BYTES_OUT,
+    STORE_HITS,
+    STORE_MISSES,
+    TRANSFER_FALLBACK_BYTES,
+    total,
+)
 from daybreak.api.node import KVNode
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.errors import DaybreakError
@@ -505,18 +513,18 @@ def parse_metrics(text: str, agent: AgentMetrics) -> None:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
-            if name == "daybreak_store_hits_total":
+            if name == total(STORE_HITS):
                 tier = labels.get("tier", "?")
                 agent.hits[tier] = agent.hits.get(tier, 0.0) + value
-            elif name == "daybreak_store_misses_total":
+            elif name == total(STORE_MISSES):
                 agent.misses += value
-            elif name == "daybreak_store_bytes_out_total":
+            elif name == total(STORE_BYTES_OUT):
                 tier = labels.get("tier", "?")
                 agent.bytes_out[tier] = agent.bytes_out.get(tier, 0.0) + value
-            elif name == "daybreak_store_bytes_total":
+            elif name == total(STORE_BYTES):
                 transport = labels.get("transport", "?")
                 agent.transfer_bytes[transport] = agent.transfer_bytes.get(transport, 0.0) + value
-            elif name == "daybreak_transfer_fallback_bytes_total":
+            elif name == total(TRANSFER_FALLBACK_BYTES):
                 pair = f"{labels.get('preferred', '?')}->{labels.get('used', '?')}"
                 agent.fallback_bytes[pair] = agent.fallback_bytes.get(pair, 0.0) + value
 

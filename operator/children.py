@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from daybreak.api import labels as vocab
 from daybreak.errors import DaybreakError
 from daybreak.operator import metrics
 from daybreak.operator.events import EventRecorder
@@ -28,15 +29,17 @@ from daybreak.operator.kube import FIELD_MANAGER, KubeClient, KubeError, Manifes
 logger = logging.getLogger(__name__)
 
 # Label keys (app.kubernetes.io are the recommended labels; daybreak.dev say which parent and role).
-NAME = "app.kubernetes.io/name"
-INSTANCE = "app.kubernetes.io/instance"
-COMPONENT = "app.kubernetes.io/component"
-MANAGED_BY = "app.kubernetes.io/managed-by"
-POOL = "daybreak.dev/pool"
-DEPLOYMENT = "daybreak.dev/deployment"
-ROLE = "daybreak.dev/role"
+# Declared once in api/labels.py (the vocabulary every process matches on); re-exported for the builders.
+APPLIED_HASH = vocab.APPLIED_HASH
+COMPONENT = vocab.COMPONENT
+DEPLOYMENT = vocab.DEPLOYMENT
+INSTANCE = vocab.INSTANCE
+MANAGED_BY = vocab.MANAGED_BY
+NAME = vocab.NAME
+POOL = vocab.POOL
+ROLE = vocab.ROLE
+
 MANAGER = FIELD_MANAGER
-APPLIED_HASH = "daybreak.dev/applied-hash"
 # Kinds whose every change reaches us through a watch: an apply of an unchanged one can be skipped.
 WATCHED_KINDS = frozenset({"Deployment", "DaemonSet"})
 

@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from daybreak.api import labels as vocab
 from daybreak.api.enginepod import EnginePodEnv, EngineRole, VllmKVRole, vllm_kv_transfer_config
 from daybreak.api.kvcompat import EngineKind
 from daybreak.api.kvpool import KVPool, Transport
@@ -39,7 +40,8 @@ from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import (
+from daybreak.operator.pool import TLS_CA_KEY, PoolNames
+from daybreak.operator.pool_policy import (
     ENGINE_SECCOMP,
     OPERATOR_ENV_PREFIX,
     PolicyError,
@@ -47,7 +49,6 @@ from daybreak.operator.policy import (
     deployment_violations,
     engine_pod_violations,
 )
-from daybreak.operator.pool import TLS_CA_KEY, PoolNames
 from daybreak.pool.engine_secret import SECRET_KEY, credential_secret_name
 
 # The downward API fields every serving pod gets (engines and the router bind $(POD_IP)).
@@ -64,8 +65,8 @@ HEALTH_PROBE: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, 
 ENGINE_APP = "daybreak-engine"
 ROUTER_APP = "daybreak-router"
 ENGINE_PORT = 8000
-KV_NAMESPACE_ANNOTATION = "daybreak.dev/kv-namespace"
-REVISION_ANNOTATION = "daybreak.dev/revision"
+KV_NAMESPACE_ANNOTATION = vocab.KV_NAMESPACE
+REVISION_ANNOTATION = vocab.REVISION
 ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
 # The router rolls surge first whatever updateStrategy says: it is stateless and cheap, and the Service
 # must always have a ready router while the old one drains (serves what still reaches it, then exits).
@@ -105,7 +106,7 @@ def labels_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
 
 def selector_for(pdd: PDDeployment, role: Role) -> dict[str, str]:
     full = labels_for(pdd, role)
-    return {k: full[k] for k in ("daybreak.dev/deployment", "daybreak.dev/role")}
+    return {k: full[k] for k in (vocab.DEPLOYMENT, vocab.ROLE)}
 
 
 def pool_ref(pool: KVPool) -> str:
@@ -374,7 +375,7 @@ def serving_access(pdd: PDDeployment) -> list[Manifest]:
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": account},
          "rules": [
-             {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [pdd.spec.pool_ref.name],
+             {"apiGroups": [vocab.GROUP], "resources": [vocab.KVPOOL_PLURAL], "resourceNames": [pdd.spec.pool_ref.name],
               "verbs": ["get"]},
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
              # The router pairs prefill and decode pods by their kvNamespace label (read from the pods).

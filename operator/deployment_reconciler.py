@@ -29,7 +29,7 @@ from daybreak.operator.children import Applier
 from daybreak.operator.events import WARNING, EventRecorder
 from daybreak.operator.kube import DEPLOYMENT, KVPOOL, PDDEPLOYMENT, SERVICE, KubeClient, Manifest
 from daybreak.operator.planner import Decision
-from daybreak.operator.policy import PolicyError
+from daybreak.operator.pool_policy import PolicyError
 from daybreak.operator.rollout import Rollout
 from daybreak.operator.settings import OperatorSettings
 from daybreak.operator.state import PDD, Key, TermState

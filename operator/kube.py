@@ -9,19 +9,18 @@ may block the event loop (kopf, the leader elector and the workers share it).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from daybreak.api import labels as vocab
+from daybreak.client.kubeconfig import SERVICE_ACCOUNT_DIR, load_kube_config
 from daybreak.errors import DaybreakError
 
 logger = logging.getLogger(__name__)
@@ -79,9 +78,9 @@ CLUSTERROLE = ResourceKind("rbac.authorization.k8s.io", "v1", "clusterroles", "C
 CLUSTERROLEBINDING = ResourceKind("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding",
                                   namespaced=False)
 LEASE = ResourceKind("coordination.k8s.io", "v1", "leases", "Lease")
-KVPOOL = ResourceKind("daybreak.dev", "v1alpha1", "kvpools", "KVPool")
-PDDEPLOYMENT = ResourceKind("daybreak.dev", "v1alpha1", "pddeployments", "PDDeployment")
-KVNODE = ResourceKind("daybreak.dev", "v1alpha1", "kvnodes", "KVNode", namespaced=False)
+KVPOOL = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.KVPOOL_PLURAL, vocab.KVPOOL_KIND)
+PDDEPLOYMENT = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.PDDEPLOYMENT_PLURAL, vocab.PDDEPLOYMENT_KIND)
+KVNODE = ResourceKind(vocab.GROUP, vocab.VERSION, vocab.KVNODE_PLURAL, vocab.KVNODE_KIND, namespaced=False)
 
 KINDS: dict[str, ResourceKind] = {
     k.kind: k for k in (CONFIGMAP, SECRET, SERVICE, SERVICEACCOUNT, POD, EVENT, NODE, NAMESPACE, DEPLOYMENT,
@@ -138,30 +137,14 @@ class Credentials:
     token_path: str | None = None  # in cluster: the projected token, re-read on every login (it rotates)
 
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-
-
 async def load_configuration(kubeconfig: str | None, *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
                              ) -> tuple[k8s_client.Configuration, Credentials]:
-    """Load a kubeconfig (the given file, else $KUBECONFIG/~/.kube/config) or, in a Pod (no kubeconfig given and
-    KUBERNETES_SERVICE_HOST set), the ServiceAccount mounted at ``service_account_dir``."""
-    configuration = k8s_client.Configuration()
-    in_cluster = False
-    default_namespace: str | None = None
-    token_path: str | None = None
-    if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
-        token_path = os.path.join(service_account_dir, "token")
-        # try_refresh_token: the kubelet rotates the projected token; the loader re-reads it.
-        k8s_config.load_incluster_config(client_configuration=configuration, try_refresh_token=True,
-                                         token_filename=token_path,
-                                         cert_filename=os.path.join(service_account_dir, "ca.crt"))
-        in_cluster = True
-        default_namespace = await asyncio.to_thread(_read_file, os.path.join(service_account_dir, "namespace"))
-    else:
-        loader = await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        context = loader.current_context  # a plain dict: {"name": ..., "context": {...}}
-        if isinstance(context, dict):
-            default_namespace = (context.get("context") or {}).get("namespace")
+    """Load credentials the way every Daybreak process does (``daybreak.client.kubeconfig``): the given file,
+    else $KUBECONFIG, else, in a Pod, the ServiceAccount mounted at ``service_account_dir``, else
+    ~/.kube/config; and the same as ``Credentials`` for kopf's login."""
+    loaded = await load_kube_config(kubeconfig, service_account_dir=service_account_dir)
+    configuration, in_cluster = loaded.configuration, loaded.in_cluster
+    default_namespace, token_path = loaded.default_namespace, loaded.token_path
     token = None
     auth = (configuration.api_key or {}).get("BearerToken") or (configuration.api_key or {}).get("authorization")
     if auth:
@@ -178,13 +161,6 @@ async def load_configuration(kubeconfig: str | None, *, service_account_dir: str
         token_path=token_path,
     )
     return configuration, creds
-
-
-def _read_file(path: str) -> str | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().strip() or None
 
 
 class KubeClient:

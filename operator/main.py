@@ -20,6 +20,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from daybreak.logs import setup_logging
 from daybreak.operator import metrics
 from daybreak.operator.controller import Controller
 from daybreak.operator.kube import Credentials, KubeClient, load_configuration
@@ -80,13 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
     # kopf narrates every watch event at INFO/DEBUG; only its problems belong in our log.
-    logging.getLogger("kopf").setLevel(logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING)
-    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    setup_logging(level, quiet=("kopf", "aiohttp"))
 
 
 def _lease_namespace(settings: OperatorSettings, creds: Credentials) -> str:

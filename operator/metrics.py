@@ -21,6 +21,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from daybreak.api import metrics as names
+
 logger = logging.getLogger(__name__)
 
 disable_created_metrics()  # no *_created series: they double the scrape for no operational value
@@ -30,7 +32,7 @@ PlatformCollector(registry=REGISTRY)
 GCCollector(registry=REGISTRY)
 
 RECONCILES = Counter(
-    "daybreak_operator_reconciles_total",
+    names.total(names.OPERATOR_RECONCILES),
     "Reconciles finished, by resource kind and result (success, error, waiting).",
     ["kind", "result"], registry=REGISTRY,
 )
@@ -46,7 +48,7 @@ CHILDREN_APPLIED = Counter(
     ["kind", "outcome"], registry=REGISTRY,
 )
 API_ERRORS = Counter(
-    "daybreak_operator_apiserver_errors_total",
+    names.total(names.OPERATOR_APISERVER_ERRORS),
     "Failed API calls made by reconciles, by HTTP status (0: unreachable).",
     ["status"], registry=REGISTRY,
 )

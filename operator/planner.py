@@ -81,23 +81,24 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from daybreak.api.metric_names import HELD_REQUESTS as HELD_REQUESTS  # the router's gauge (re-exported)
+from daybreak.api import metrics as names
 from daybreak.errors import DaybreakError
 
 # vLLM's metric names (counters also exposed with the _total suffix by prometheus_client).
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-TTFT = "vllm:time_to_first_token_seconds"
-ITL = "vllm:inter_token_latency_seconds"
-ITL_OLD = "vllm:time_per_output_token_seconds"  # vLLM before 0.10 names ITL this way
-E2E = "vllm:e2e_request_latency_seconds"
-PROMPT_TOKENS = "vllm:prompt_tokens"
-CACHE_QUERIES = "vllm:prefix_cache_queries"
-CACHE_HITS = "vllm:prefix_cache_hits"
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits"  # tokens found through the KV connector (the pool)
-KV_USAGE = "vllm:kv_cache_usage_perc"
+# Declared once in api/metrics.py, where the sim engine's writers take them too.
+RUNNING = names.VLLM_RUNNING
+WAITING = names.VLLM_WAITING
+TTFT = names.VLLM_TTFT
+ITL = names.VLLM_ITL
+ITL_OLD = names.VLLM_ITL_OLD
+E2E = names.VLLM_E2E
+PROMPT_TOKENS = names.VLLM_PROMPT_TOKENS
+CACHE_QUERIES = names.VLLM_PREFIX_CACHE_QUERIES
+CACHE_HITS = names.VLLM_PREFIX_CACHE_HITS
+EXTERNAL_HITS = names.VLLM_EXTERNAL_PREFIX_CACHE_HITS  # tokens found through the KV connector (the pool)
+KV_USAGE = names.VLLM_KV_USAGE
 # Engine-local cache value the pool does not hold (sim engine; absent on vLLM, then kv usage stands in).
-LOCAL_ONLY_BLOCKS = "daybreak_engine_local_only_blocks"
+LOCAL_ONLY_BLOCKS = names.ENGINE_LOCAL_ONLY_BLOCKS
 
 BUSY_RUNNING = 0.5  # mean running requests from which Little's law is trusted for a prefill pod's throughput
 MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loose the target
@@ -114,6 +115,8 @@ SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the t
 # under S: past S/T = 0.75 the planner keeps pods a quarter busy (TTFT ~ 1.33 S) instead of asking for
 # every pod allowed (the old "as many pods as allowed" rule overshot to the bounds on one noisy window).
 MIN_UTILISATION = 0.25
+# The router's count of requests held while no engine can take them (scale from zero): what wakes a role at 0.
+HELD_REQUESTS = names.ROUTER_HELD_REQUESTS
 # Start-up time (decision to Ready) assumed per role until a pod the planner asked for has become Ready.
 DEFAULT_STARTUP_SECONDS = 30.0
 STARTUP_DECAY = 0.5  # weight of the older start-up estimate when a new pod's time is learned

@@ -45,13 +45,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from daybreak.api import labels as vocab
 from daybreak.api.agentconfig import AgentConfig
 from daybreak.api.kvpool import KVPool, Transport
 from daybreak.errors import DaybreakError
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
-from daybreak.operator.policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
+from daybreak.operator.pool_policy import AGENT_SA_SUFFIX, PolicyError, PoolPolicy, pool_violations
 
 AGENT_APP = "daybreak-agent"
 AGENT_COMPONENT = "agent"
@@ -66,7 +67,7 @@ TOKEN_DIR = "/var/run/daybreak/token"
 TLS_DIR = "/var/run/daybreak/tls"  # the pool's spec.tls Secret (kubernetes.io/tls keys, cert-manager's ca.crt)
 TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"
 HOST_SYS = "/host/sys"
-CONFIG_HASH_ANNOTATION = "daybreak.dev/config-hash"
+CONFIG_HASH_ANNOTATION = vocab.CONFIG_HASH
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def labels_for(pool: KVPool, component: str = AGENT_COMPONENT) -> dict[str, str]
 def selector_for(pool: KVPool) -> dict[str, str]:
     """The agent Pods of this pool (immutable in the DaemonSet, so kept minimal)."""
     full = labels_for(pool)
-    return {k: full[k] for k in ("daybreak.dev/pool", "app.kubernetes.io/component")}
+    return {k: full[k] for k in (vocab.POOL, vocab.COMPONENT)}
 
 
 def metrics_port(pool: KVPool) -> int:
@@ -226,8 +227,8 @@ def agent_binding(subjects: list[dict[str, Any]]) -> Manifest:
     chart ships it; the operator creates it only when run without the chart, e.g. by a developer)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": AGENT_BINDING, "labels": {"app.kubernetes.io/name": AGENT_APP,
-                                                       "app.kubernetes.io/component": AGENT_COMPONENT}},
+        "metadata": {"name": AGENT_BINDING, "labels": {vocab.NAME: AGENT_APP,
+                                                       vocab.COMPONENT: AGENT_COMPONENT}},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_CLUSTERROLE},
         "subjects": subjects,
     }
@@ -264,11 +265,11 @@ def build(pool: KVPool, *, image: str, policy: PoolPolicy | None = None) -> Pool
     out.applied.append({
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": names.agent},
         "rules": [
-            {"apiGroups": ["daybreak.dev"], "resources": ["kvpools"], "resourceNames": [name],
+            {"apiGroups": [vocab.GROUP], "resources": [vocab.KVPOOL_PLURAL], "resourceNames": [name],
              "verbs": ["get", "list", "watch"]},
             # The credential minter (daybreak.agent.credentials_minter): see the pool's PDDeployments and
             # create their namespace-credential Secrets. No get/list/update/delete of Secrets.
-            {"apiGroups": ["daybreak.dev"], "resources": ["pddeployments"], "verbs": ["list", "watch"]},
+            {"apiGroups": [vocab.GROUP], "resources": [vocab.PDDEPLOYMENT_PLURAL], "verbs": ["list", "watch"]},
             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         ],
     })

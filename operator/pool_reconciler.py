@@ -20,7 +20,7 @@ from daybreak.operator.agent_binding import AgentBinding
 from daybreak.operator.children import Applier
 from daybreak.operator.conditions import FALSE, Condition, merge
 from daybreak.operator.kube import DAEMONSET, KVNODE, KVPOOL, POD, SECRET, KubeClient, KubeError, Manifest
-from daybreak.operator.policy import PolicyError, pool_violations
+from daybreak.operator.pool_policy import PolicyError, pool_violations
 from daybreak.operator.settings import OperatorSettings
 from daybreak.operator.state import POOL, Key, TermState
 from daybreak.operator.status_writer import StatusWriter

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from daybreak.operator.policy import PoolPolicy
+from daybreak.operator.pool_policy import PoolPolicy
 from daybreak.version import __version__
 
 ENV_PREFIX = "DAYBREAK_OPERATOR_"

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from daybreak.api import labels as vocab
 from daybreak.operator.children import MANAGER, WATCHED_KINDS
 from daybreak.operator.kube import KVPOOL, PDDEPLOYMENT, Manifest, ResourceKind
 from daybreak.operator.workqueue import WorkQueue
@@ -44,7 +45,7 @@ def slim(obj: Manifest) -> Manifest:
 def controller_owner(obj: Manifest) -> tuple[str, str] | None:
     """``(kind, name)`` of the Daybreak object that controls ``obj``, or None when it is not one of ours."""
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("apiVersion", "").startswith("daybreak.dev/"):
+        if ref.get("controller") and ref.get("apiVersion", "").startswith(vocab.GROUP + "/"):
             return str(ref.get("kind")), str(ref.get("name"))
     return None
 

@@ -18,7 +18,7 @@ from daybreak.operator.children import NotLeader
 from daybreak.operator.conditions import FALSE, TRUE, Condition, merge
 from daybreak.operator.events import WARNING, EventRecorder
 from daybreak.operator.kube import KubeClient, KubeError, Manifest
-from daybreak.operator.policy import PolicyError
+from daybreak.operator.pool_policy import PolicyError
 from daybreak.operator.state import Key, TermState, resource_of
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 
+from daybreak.api import labels as vocab
 from daybreak.api.base import GROUP, VERSION
 from daybreak.pool.credentials import namespace_credential
 
 SECRET_KEY = "token"  # the key inside the per-deployment Secret the engines mount as DAYBREAK_POOL_TOKEN
-NAMESPACE_ANNOTATION = "daybreak.dev/kv-namespace"
+NAMESPACE_ANNOTATION = vocab.KV_NAMESPACE
 CREDENTIAL_COMPONENT = "kv-credential"
 _NAME_LIMIT = 253  # a Secret's name is a DNS subdomain
 
@@ -37,11 +38,11 @@ def engine_credential_secret(*, pool_secret: bytes, kv_namespace: str, pdd: str,
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
         "metadata": {
             "name": credential_secret_name(pdd, kv_namespace), "namespace": namespace,
-            "labels": {"app.kubernetes.io/managed-by": "daybreak-agent",
-                       "app.kubernetes.io/component": CREDENTIAL_COMPONENT,
-                       "daybreak.dev/deployment": pdd[:63].rstrip("-."), "daybreak.dev/pool": pool[:63].rstrip("-.")},
+            "labels": {vocab.MANAGED_BY: "daybreak-agent",
+                       vocab.COMPONENT: CREDENTIAL_COMPONENT,
+                       vocab.DEPLOYMENT: pdd[:63].rstrip("-."), vocab.POOL: pool[:63].rstrip("-.")},
             "annotations": {NAMESPACE_ANNOTATION: kv_namespace},
-            "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDDeployment", "name": pdd,
+            "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": vocab.PDDEPLOYMENT_KIND, "name": pdd,
                                  "uid": pdd_uid}],
         },
         "stringData": {SECRET_KEY: namespace_credential(pool_secret, kv_namespace)},

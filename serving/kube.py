@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 # Pool discovery is the client library's (any engine needs it); re-exported for the router and the sim engine.
+from daybreak.api.labels import KV_NAMESPACE
 from daybreak.client.discovery import (
     REQUEST_TIMEOUT,
     SERVICE_ACCOUNT_DIR,
@@ -89,7 +90,7 @@ def endpoints_from_pods(service: Mapping[str, Any], pods: Mapping[str, Any], *, 
     return sorted(out)
 
 
-KV_NAMESPACE_LABEL = "daybreak.dev/kv-namespace"
+KV_NAMESPACE_LABEL = KV_NAMESPACE
 
 
 def namespaces_of(addresses: list[str], labels: Mapping[str, str]) -> dict[str, str | None]:

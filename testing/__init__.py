@@ -2,5 +2,7 @@
 
 ``store_agent.LocalAgent`` (a standalone store agent), ``transfer_peer.PeerProcess``
 (a transfer engine in another process) and ``operator_process.OperatorProcess``
-(the operator against a cluster). Nothing in the product imports this package.
+(the operator against a cluster), ``vllm_server.VllmServer`` (a vLLM OpenAI server on CPU for
+the connector tests and ``daybreak bench vllm``) and ``tinymodel`` (the random-weight Llama those
+servers load). Nothing in the product imports this package.
 """

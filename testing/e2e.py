@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from daybreak.api import labels as vocab
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.errors import DaybreakError
@@ -153,7 +154,7 @@ class E2ENamespace:
                 time.sleep(0.5)
             for node in nodes:
                 try:
-                    self.api.delete(f"/apis/daybreak.dev/v1alpha1/kvnodes/{node}")
+                    self.api.delete(f"/apis/{vocab.API_VERSION}/{vocab.KVNODE_PLURAL}/{node}")
                 except httpx.HTTPError as exc:
                     log.warning("event=kvnode_delete_failed node=%s error=%s", node, exc)
         if self.rbac:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 from daybreak.agent.transfer.batch import Op, TransferRequest
 from daybreak.agent.transfer.engine import TransferEngine
 from daybreak.agent.transfer.transport import LocalSegment, RemoteSegment
+from daybreak.logs import setup_logging
 from daybreak.pool.shm import ShmSegment
 from daybreak.pool.tls import contexts
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
     parser.add_argument("--tls-ca", default="", help="PEM CA bundle the peers' certificates are checked against")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level)
 
     runtime: Any = None
     shm = ShmSegment.create(args.shm_name, args.segment_bytes) if args.shm_name else None

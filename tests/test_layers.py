@@ -1,6 +1,6 @@
 """The import layers a newcomer can read from the tree, checked on every module's imports (``ast``).
 
-Lowest first: ``daybreak.errors`` (the exception root) and ``daybreak.api``
+Lowest first: ``daybreak.errors`` (the exception root), ``daybreak.logs`` (the one logging set-up) and ``daybreak.api``
 (models, no I/O) <- ``daybreak.pool`` (the pool's contract) <-
 ``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which
 imports nothing of the agent: the config it writes is ``api/agentconfig.py``) <- the CLI (the ``daybreak/`` folder),
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Modules of the daybreak/ folder that are not CLI wiring: the lowest layer.
-BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.version"}
+BASE_MODULES = {"daybreak", "daybreak.errors", "daybreak.logs", "daybreak.version"}
 # Crossings between the two logic packages: none (the agent's config model is api.agentconfig).
 OPERATOR_MAY_READ: tuple[str, ...] = ()
 # Inside the operator, lowest first: a module imports from its own layer or lower ones only. The
@@ -33,7 +33,7 @@ OPERATOR_MAY_READ: tuple[str, ...] = ()
 # (state, status writer, rollout), and the planner reaches the PDDeployment reconciler only through the
 # submit_scale callable the term hands it. Modules not named here are not checked.
 OPERATOR_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "policy", "planner",
+    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "pool_policy", "planner",
      "metrics_scrape", "children"),
     ("pool", "deployment"),
     ("state",),

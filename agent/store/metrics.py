@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from daybreak.api import metrics as names
+
 NAMESPACE_SERIES = 16   # namespaces with their own series per tier; the rest are summed as "_other"
 OTHER_NAMESPACES = "_other"
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -28,11 +30,11 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.hits = Counter("daybreak_store_hits", "Blocks found, by the tier they were served from", ["tier"],
+        self.hits = Counter(names.STORE_HITS, "Blocks found, by the tier they were served from", ["tier"],
                             registry=r)
-        self.misses = Counter("daybreak_store_misses", "Blocks asked for and not held by this agent", registry=r)
+        self.misses = Counter(names.STORE_MISSES, "Blocks asked for and not held by this agent", registry=r)
         self.bytes_in = Counter("daybreak_store_bytes_in", "Bytes written into a tier", ["tier"], registry=r)
-        self.bytes_out = Counter("daybreak_store_bytes_out", "Bytes read out of a tier", ["tier"], registry=r)
+        self.bytes_out = Counter(names.STORE_BYTES_OUT, "Bytes read out of a tier", ["tier"], registry=r)
         self.evictions = Counter("daybreak_store_evictions", "Blocks evicted (demoted or dropped) from a tier",
                                  ["tier"], registry=r)
         self.promotions = Counter("daybreak_store_promotions", "SSD blocks moved up to DRAM on a hit", registry=r)
@@ -48,7 +50,7 @@ class StoreMetrics:
         # One counter for every path a block's bytes take to or from this agent, counted where they move:
         # the store's stream (tcp, or tls when the listener wraps it), same-node memcpy through /dev/shm,
         # and the transfer engine's one-sided moves into or out of the registered segments.
-        self.transport_bytes = Counter("daybreak_store_bytes", "Block bytes moved to (write) or from (read) this "
+        self.transport_bytes = Counter(names.STORE_BYTES, "Block bytes moved to (write) or from (read) this "
                                        "agent, by transport", ["transport", "op"], registry=r)
         self.rejected = Counter("daybreak_store_connections_rejected", "Connections closed for a protocol or auth error",
                                 ["reason"], registry=r)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from daybreak.api import metrics as names
+
 REQUESTS = Counter("daybreak_transfer_requests", "Transfer requests finished, by transport, op and status",
                    ["transport", "op", "status"])
 BYTES = Counter("daybreak_transfer_bytes", "Bytes moved by completed requests", ["transport", "op"])
@@ -14,6 +16,6 @@ RETRIES = Counter("daybreak_transfer_slice_retries", "Slices sent again after a 
 PATH_TRIPS = Counter("daybreak_transfer_path_trips", "Paths tripped by the circuit breaker", ["transport"])
 PATH_RECOVERIES = Counter("daybreak_transfer_path_recoveries", "Tripped paths that worked again", ["transport"])
 PATHS_OPEN = Gauge("daybreak_transfer_paths_tripped", "Paths currently tripped", ["transport"])
-FALLBACK_BYTES = Counter("daybreak_transfer_fallback_bytes",
+FALLBACK_BYTES = Counter(names.TRANSFER_FALLBACK_BYTES,
                          "Bytes of completed requests that a later transport of their chain moved, not the "
                          "preferred (first) one: silent fallback made visible", ["preferred", "used"])

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
+from daybreak.api import labels as vocab
 from daybreak.devenv import kubelet as kubelet_mod
 from daybreak.devenv import pki as pki_mod
 from daybreak.devenv import tools
@@ -399,12 +400,12 @@ def fake_node(name: str, spec: ClusterSpec, *, address: str | None = None) -> di
     capacity: dict[str, str] = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
     labels = {
         "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-        "type": "kwok", "daybreak.dev/accelerator": "none",
+        "type": "kwok", vocab.ACCELERATOR: "none",
     }
     if spec.devices_per_node > 0:
         capacity[ACCELERATOR_RESOURCE[spec.accelerator]] = str(spec.devices_per_node)
-        labels["daybreak.dev/accelerator"] = spec.accelerator
-        labels["daybreak.dev/accelerator-count"] = str(spec.devices_per_node)
+        labels[vocab.ACCELERATOR] = spec.accelerator
+        labels[vocab.ACCELERATOR_COUNT] = str(spec.devices_per_node)
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": labels, "annotations": {FAKE_NODE_ANNOTATION: "fake"}},

@@ -31,6 +31,7 @@ from daybreak.devenv import demo
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.devenv.demo import steps
 from daybreak.devenv.prometheus import Prometheus, PrometheusError
+from daybreak.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def draw_all(prom: Prometheus, *, start: float, end: float, out: Path, subtitle:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.WARNING)
     try:
         seconds = float(os.environ.get("DEMO_SECONDS") or DEFAULT_SECONDS)
     except ValueError:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from daybreak.errors import DaybreakError
+from daybreak.logs import setup_logging
 from daybreak.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -446,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p = sub.add_parser("run", help="run the image's entrypoint in a chroot: run -- version")
     run_p.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    setup_logging(logging.INFO)
     paths = Paths(REPO)
     try:
         if args.command == "run":

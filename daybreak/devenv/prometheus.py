@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from daybreak.api import labels as vocab
 from daybreak.devenv.cluster import free_port
 from daybreak.errors import DaybreakError
 
@@ -54,7 +55,7 @@ def targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for pod in pods:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
-        app = labels.get("app.kubernetes.io/name", "")
+        app = labels.get(vocab.NAME, "")
         ip = status.get("podIP")
         if app not in APPS or status.get("phase") != "Running" or not ip:
             continue
@@ -65,8 +66,7 @@ def targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         entry = {"job": app.removeprefix("daybreak-") if app != "daybreak" else "operator",
                  "namespace": meta.get("namespace", ""), "pod": meta["name"], "node": spec.get("nodeName", "")}
-        for key, name in (("daybreak.dev/pool", "pool"), ("daybreak.dev/deployment", "deployment"),
-                          ("daybreak.dev/role", "role")):
+        for key, name in ((vocab.POOL, "pool"), (vocab.DEPLOYMENT, "deployment"), (vocab.ROLE, "role")):
             if labels.get(key):
                 entry[name] = labels[key]
         host = f"[{ip}]" if ":" in ip else ip

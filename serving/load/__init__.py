@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from daybreak.logs import setup_logging
 from daybreak.serving.load.runner import send
 from daybreak.serving.load.sessions import RateStep, Session, parse_steps, rate_at, text
 from daybreak.serving.load.summary import RequestRecord, progress_line, summarize
@@ -232,7 +233,7 @@ async def run_load(args: argparse.Namespace, *, on_summary: Callable[[dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.WARNING)
     for name in ("max_requests", "sessions", "turns", "max_concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daybreak.logs import setup_logging
 from daybreak.serving.router.choice import CostModel
 from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT
 from daybreak.serving.router.server import DEFAULT_HOLD_QUEUE, DEFAULT_HOLD_SECONDS, RouterConfig
@@ -308,6 +309,5 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=str(args.log_level).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(args.log_level)
     return asyncio.run(_main(args))

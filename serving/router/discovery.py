@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from daybreak.api import metrics as names
 from daybreak.serving import kube
 from daybreak.serving.router.choice import Candidate, load_of
 
 log = logging.getLogger(__name__)
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
+RUNNING = names.VLLM_RUNNING
+WAITING = names.VLLM_WAITING
 # A scrape slower than this counts as failed: a pod that cannot answer /metrics in time is not one to pick.
 SCRAPE_TIMEOUT = 1.0
 _MAX_METRICS_BYTES = 4 << 20

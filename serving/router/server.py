@@ -81,7 +81,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from daybreak.api.metric_names import HELD_REQUESTS
+from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
 from daybreak.pool import credentials

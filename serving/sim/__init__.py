@@ -32,6 +32,7 @@ from aiohttp import web
 from daybreak.api.kvcompat import KVLayout
 from daybreak.client import KVPoolClient, KVPoolError, pool_tls_ca_file
 from daybreak.client.env import engine_pod_env, read_pool_token
+from daybreak.logs import setup_logging
 from daybreak.serving.sim.costmodel import CostModel, knob_names
 from daybreak.serving.sim.engine import Engine, EngineConfig, Role
 from daybreak.serving.sim.kv import PoolIO
@@ -359,9 +360,7 @@ async def serve(settings: Settings, *, on_ready: Callable[[], None] | None = Non
 
 def run(args: argparse.Namespace) -> int:
     """CLI entry: ``daybreak sim-engine ...``."""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
-    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    setup_logging(args.log_level)
     try:
         settings = settings_from(args)
     except ValueError as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from daybreak.api import metrics as names
 from daybreak.serving.sim.engine import EngineMetrics, Usage
 
 # vLLM's bucket edges, with finer steps below 10 ms because --time-scale shrinks every duration.
@@ -38,34 +39,34 @@ class PromMetrics(EngineMetrics):
     def __init__(self, *, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+        self.running = Gauge(names.VLLM_RUNNING, "Number of requests in model execution batches.",
                              label, registry=r).labels(model_name)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        self.waiting = Gauge(names.VLLM_WAITING, "Number of requests waiting to be processed.",
                              label, registry=r).labels(model_name)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+        self.kv_usage = Gauge(names.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.",
                               label, registry=r).labels(model_name)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+        self.ttft = Histogram(names.VLLM_TTFT, "Histogram of time to first token in seconds.",
                               label, buckets=_TTFT, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+        self.itl = Histogram(names.VLLM_ITL, "Histogram of inter-token latency in seconds.",
                              label, buckets=_ITL, registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+        self.e2e = Histogram(names.VLLM_E2E,
                              "Histogram of e2e request latency in seconds.", label, buckets=_E2E,
                              registry=r).labels(model_name)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+        self.prefix_queries = Counter(names.VLLM_PREFIX_CACHE_QUERIES,
                                       "Prefix cache queries, in terms of number of queried tokens.",
                                       label, registry=r).labels(model_name)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+        self.prefix_hits = Counter(names.VLLM_PREFIX_CACHE_HITS,
                                    "Prefix cache hits, in terms of number of cached tokens.",
                                    label, registry=r).labels(model_name)
         self.external_queries = Counter("vllm:external_prefix_cache_queries",
                                         "External prefix cache queries from KV connector cross-instance "
                                         "cache sharing, in terms of number of queried tokens.",
                                         label, registry=r).labels(model_name)
-        self.external_hits = Counter("vllm:external_prefix_cache_hits",
+        self.external_hits = Counter(names.VLLM_EXTERNAL_PREFIX_CACHE_HITS,
                                      "External prefix cache hits from KV connector cross-instance cache "
                                      "sharing, in terms of number of cached tokens.",
                                      label, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+        self.prompt_tokens = Counter(names.VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.",
                                      label, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          label, registry=r).labels(model_name)
@@ -76,7 +77,7 @@ class PromMetrics(EngineMetrics):
         self.pool_misses = Counter("daybreak_engine_pool_misses",
                                    "Blocks asked of the pool and not usable (missing, bad, or after a gap).",
                                    label, registry=r).labels(model_name)
-        kv_bytes = Counter("daybreak_engine_kv_bytes", "KV bytes moved between this engine and the pool.",
+        kv_bytes = Counter(names.ENGINE_KV_BYTES, "KV bytes moved between this engine and the pool.",
                            [*label, "direction"], registry=r)
         self.bytes_read = kv_bytes.labels(model_name, "read")
         self.bytes_written = kv_bytes.labels(model_name, "written")
@@ -92,7 +93,7 @@ class PromMetrics(EngineMetrics):
         self.tokens_computed = by_source.labels(model_name, "computed")
         self.pool_errors = Counter("daybreak_engine_pool_errors", "Pool calls that failed (served without the pool).",
                                    label, registry=r).labels(model_name)
-        self.local_only_blocks = Gauge("daybreak_engine_local_only_blocks",
+        self.local_only_blocks = Gauge(names.ENGINE_LOCAL_ONLY_BLOCKS,
                                        "Engine-local cached blocks the pool is not known to hold (lost on scale-in "
                                        "unless handed off).", label, registry=r).labels(model_name)
         self.steps = Histogram("daybreak_engine_step_seconds", "Modelled duration of scheduler steps.",

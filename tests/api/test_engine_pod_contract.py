@@ -26,10 +26,10 @@ from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.connectors.blocks import PoolSettings
-from daybreak.connectors.local import daybreak_transfer_config
 from daybreak.operator import deployment as dep
 from daybreak.serving import router as router_cli
 from daybreak.serving import sim
+from daybreak.testing.vllm_server import daybreak_transfer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "daybreak:test"

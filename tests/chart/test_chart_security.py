@@ -372,7 +372,7 @@ def test_operator_may_list_only_agent_service_accounts_in_the_agent_binding(kube
 
 def test_policy_configmap_is_what_the_operator_reads(installed: str, tmp_path: Path) -> None:
     """The admission policies' parameter object, mounted as the operator's --policy-dir, gives the same policy."""
-    from daybreak.operator.policy import PoolPolicy
+    from daybreak.operator.pool_policy import PoolPolicy
     from daybreak.operator.settings import OperatorSettings
 
     cm = next(d for d in yaml.safe_load_all(installed) if d and d["kind"] == "ConfigMap"

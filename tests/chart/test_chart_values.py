@@ -13,7 +13,7 @@ import pytest
 import yaml
 from chartlib import CHART, KUBE_VERSION, Helm, Render
 
-from daybreak.operator.policy import PoolPolicy
+from daybreak.operator.pool_policy import PoolPolicy
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("DAYBREAK_UPDATE_GOLDEN") == "1"

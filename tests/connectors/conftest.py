@@ -21,9 +21,9 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``daybreak.connectors.tinymodel``'s small random-weight Llama (128-token blocks on vLLM's CPU backend)."""
+    """``daybreak.testing.tinymodel``'s small random-weight Llama (128-token blocks on vLLM's CPU backend)."""
     out = tmp_path_factory.mktemp("tiny-model") / "model"
-    subprocess.run([str(vllm_python), "-m", "daybreak.connectors.tinymodel", "--out", str(out)], check=True,
+    subprocess.run([str(vllm_python), "-m", "daybreak.testing.tinymodel", "--out", str(out)], check=True,
                    env={"HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
                    capture_output=True, timeout=300)
     return out

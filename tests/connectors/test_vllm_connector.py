@@ -21,12 +21,12 @@ import pytest
 
 from daybreak.client import KVPoolClient
 from daybreak.connectors.blocks import EngineLayout
-from daybreak.connectors.local import VllmServer, daybreak_transfer_config
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
+from daybreak.testing.vllm_server import VllmServer, daybreak_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-# The tiny model (daybreak.connectors.tinymodel.SMALL) on vLLM's CPU backend: 128-token blocks.
+# The tiny model (daybreak.testing.tinymodel.SMALL) on vLLM's CPU backend: 128-token blocks.
 LAYOUT = EngineLayout(platform="cpu", block_tokens=128, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
                       kv_layout="LBHNC", head_slots=4, content_bytes=256)
 MAX_TOKENS = 12

@@ -41,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "vllm-e2e"
 POOL = "kv-vllm"
 PDD = "tiny-vllm"
-# The tiny model (daybreak.connectors.tinymodel.SMALL) on vLLM's CPU backend.
+# The tiny model (daybreak.testing.tinymodel.SMALL) on vLLM's CPU backend.
 LAYOUT = {"numLayers": 4, "numKVHeads": 4, "headDim": 64, "dtype": "bfloat16", "blockTokens": 128,
           "platform": "cpu"}
 PROMPT_TOKENS = 700
 LOADABLE = (PROMPT_TOKENS - 1) // 128 * 128  # full blocks; the last prompt token is always computed
 MAX_TOKENS = 12
 HITS = "vllm:external_prefix_cache_hits_total"
-# As in connectors/local.py: eager, a small KV cache (256 MiB), one core per engine.
+# As in testing/vllm_server.py: eager, a small KV cache (256 MiB), one core per engine.
 VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(256 << 20)]
 T = TypeVar("T")

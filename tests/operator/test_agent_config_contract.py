@@ -18,7 +18,7 @@ from daybreak.agent.settings import AgentSettings
 from daybreak.api.agentconfig import AgentConfig
 from daybreak.api.kvpool import KVPool
 from daybreak.operator import pool as pool_mod
-from daybreak.operator.policy import PoolPolicy
+from daybreak.operator.pool_policy import PoolPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "daybreak:test"

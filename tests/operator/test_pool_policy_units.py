@@ -12,7 +12,7 @@ from daybreak.api.kvpool import KVPool
 from daybreak.api.pddeployment import PDDeployment
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import pool as pool_mod
-from daybreak.operator.policy import (
+from daybreak.operator.pool_policy import (
     PolicyError,
     PoolPolicy,
     deployment_violations,

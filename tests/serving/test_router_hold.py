@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from daybreak.api.metric_names import HELD_REQUESTS
+from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 from daybreak.operator.planner import parse_held
 from daybreak.serving.router.discovery import RolePods
 from daybreak.serving.router.server import HOLD_RETRY_AFTER_SECONDS, Router, RouterConfig

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import httpx
 
+from daybreak.api import labels as vocab
 from daybreak.devenv import prometheus as prometheus_mod
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
 from daybreak.devenv.demo import steps
 from daybreak.devenv.demo import summary as summary_mod
 from daybreak.devenv.demo.live import Sampler
 from daybreak.devenv.demo.workload import Workload
+from daybreak.logs import setup_logging
 from daybreak.serving.load.trace import SYNTHETIC_TRACE
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.WARNING)
     scripted = "DEMO_SECONDS" in os.environ
     try:
         seconds = float(os.environ.get("DEMO_SECONDS") or DEFAULT_SECONDS)
@@ -106,7 +108,7 @@ def run(*, seconds: float, out_json: Path | None, hold: bool, prometheus: bool =
                 prom = _start_prometheus(cluster, wanted=prometheus or after is not None,
                                          required=after is not None)
                 steps.kubectl(cluster, "get", "nodes", "-L",
-                              "daybreak.dev/accelerator,daybreak.dev/accelerator-count")
+                              f"{vocab.ACCELERATOR},{vocab.ACCELERATOR_COUNT}")
                 steps.install_chart(cluster)
                 url = steps.apply_examples(cluster)
                 if prom is not None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from daybreak.api import labels as vocab
+from daybreak.api.metrics import ENGINE_KV_BYTES, STORE_BYTES, total
 from daybreak.devenv.demo.workload import Workload
 from daybreak.serving.load.summary import percentile
 
@@ -27,8 +29,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "router")
 _EVENT = re.compile(r"^(?P<role>prefill|decode) (?P<from>\d+) -> (?P<to>\d+): (?P<reason>.*)$", re.S)
-_KV_BYTES = re.compile(r'^daybreak_engine_kv_bytes_total\{[^}]*direction="(read|written)"[^}]*\}\s+(\S+)$', re.M)
-_STORE_BYTES = re.compile(r'^daybreak_store_bytes_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$', re.M)
+_KV_BYTES = re.compile("^" + total(ENGINE_KV_BYTES) + r'\{[^}]*direction="(read|written)"[^}]*\}\s+(\S+)$', re.M)
+_STORE_BYTES = re.compile("^" + total(STORE_BYTES) + r'\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 MAX_METRICS_BYTES = 4 << 20
 
@@ -186,13 +188,13 @@ class Sampler:
             name, ip = pod["metadata"]["name"], (pod.get("status") or {}).get("podIP")
             if not ip:
                 continue
-            if labels.get("daybreak.dev/deployment") == self.deployment and \
-                    labels.get("daybreak.dev/role") in ("prefill", "decode"):
+            if labels.get(vocab.DEPLOYMENT) == self.deployment and \
+                    labels.get(vocab.ROLE) in ("prefill", "decode"):
                 text = self._scrape(f"http://{ip}:8000/metrics")
                 per_pod = self.kv_bytes.setdefault(name, {})
                 for direction, value in _KV_BYTES.findall(text):
                     per_pod[direction] = max(per_pod.get(direction, 0.0), float(value))
-            elif labels.get("app.kubernetes.io/name") == "daybreak-agent":
+            elif labels.get(vocab.NAME) == "daybreak-agent":
                 ports = [p.get("containerPort") for c in pod["spec"].get("containers") or []
                          for p in c.get("ports") or [] if p.get("name") == "metrics"]
                 if not ports:

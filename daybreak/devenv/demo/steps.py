@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from daybreak.api import labels as vocab
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.errors import DaybreakError
@@ -100,7 +101,7 @@ def apply_examples(cluster: LocalCluster) -> str:
           timeout=240, hint=f"kubectl -n {NS} get pods; daybreak dev logs POD")
     kubectl(cluster, "get", "kvp,pdd", "-n", NS, "-o", "wide")
     kubectl(cluster, "get", "pods", "-n", NS, "-o", "wide")
-    ip = kubectl(cluster, "-n", NS, "get", "pod", "-l", f"daybreak.dev/deployment={DEPLOYMENT},daybreak.dev/role=router",
+    ip = kubectl(cluster, "-n", NS, "get", "pod", "-l", f"{vocab.DEPLOYMENT}={DEPLOYMENT},{vocab.ROLE}=router",
                  "--field-selector=status.phase=Running", "-o", "jsonpath={.items[0].status.podIP}", show=False)
     if not ip:
         raise DemoError("demo step failed: the router pod has no IP; kubectl -n demo get pods -o wide")
@@ -109,7 +110,7 @@ def apply_examples(cluster: LocalCluster) -> str:
 
 def kill_agent(cluster: LocalCluster) -> str:
     """SIGKILL one agent pod's process (no hand-off); the process kubelet restarts it. Returns the pod name."""
-    pods = kubectl(cluster, "-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=daybreak-agent", "-o",
+    pods = kubectl(cluster, "-n", NS, "get", "pods", "-l", f"{vocab.NAME}=daybreak-agent", "-o",
                    "jsonpath={.items[*].metadata.name}", show=False).split()
     if not pods or cluster.kubelet is None:
         raise DemoError("demo step failed: no agent pod to kill; kubectl -n demo get pods")

@@ -8,7 +8,7 @@ such a model is noise, but deterministic noise: exactly what a test that
 compares KV loaded from the pool with recomputed KV needs.
 
 Needs ``torch``, ``transformers`` and ``tokenizers`` (the vLLM environment has
-them); run it with that interpreter: ``python -m daybreak.connectors.tinymodel --out DIR``.
+them); run it with that interpreter: ``python -m daybreak.testing.tinymodel --out DIR``.
 """
 
 from __future__ import annotations
