@@ -220,7 +220,7 @@ class TestPrefillThenDecode:
         router = subprocess.Popen(
             [str(Path(sys.executable).with_name("daybreak")), "router", "--host", "127.0.0.1", "--port", str(port),
              "--prefill-endpoints", f"127.0.0.1:{prefill.port}", "--decode-endpoints", f"127.0.0.1:{decode.port}",
-             "--no-pool-lookup"], stdout=log, stderr=subprocess.STDOUT)
+             "--no-pool-lookup", "--cache-statistics"], stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
