@@ -39,13 +39,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from daybreak.agent.runtime.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
-from daybreak.agent.runtime.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
 from daybreak.errors import DaybreakError
 
 log = logging.getLogger(__name__)
