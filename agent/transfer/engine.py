@@ -115,8 +115,9 @@ class TransferEngine:
       tcp_connections: connections per peer; slice_bytes: largest tcp slice/frame payload.
       checksum: crc32c every tcp slice (both directions).
       token: shared secret checked when a tcp connection opens (empty: none).
-      tls: ``pool.tls.TlsContexts`` (``AgentSettings.tls()``, the store's settings): tcp serves and
-        dials TLS only, a plaintext peer is refused (default: None, plain tcp).
+      tls: ``pool.tls.TlsContexts`` (an agent's: the store's settings): tcp serves and dials TLS only, a
+        plaintext peer is refused; with no ``server`` context (an engine pod's) it dials TLS and serves
+        nobody (default: None, plain tcp).
       timeout_s: default deadline of a batch, in seconds.
       caps: ``pool.admission.Caps`` of the tcp server: connections in total and per peer address
         (default: ``Caps()``; an agent's engine takes the store's ``max_connections*`` settings).
