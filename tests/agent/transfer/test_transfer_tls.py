@@ -173,6 +173,9 @@ def test_an_engine_pods_engine_speaks_tls_to_the_agents_when_the_pool_gives_a_ca
         assert engine.tls is not None and engine.tls.server is None
         engine.transfer([TransferRequest.write(engine.open_remote(tls_peer.descriptor), 0, b"podtls")])
         assert tls_peer.hash(0, 6) == _sha(b"podtls")
+        host, _, port = engine.tcp_endpoint.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as raw:  # it serves nobody
+            assert raw.recv(1) == b""
     plain = EnginePodEnv(transports=["tcp"])
     with TransferEngine.from_config(EngineConfig.for_engine_pod(plain, token=TOKEN)) as engine:
         batch = engine.submit([TransferRequest.write(engine.open_remote(tls_peer.descriptor), 0, b"nope")],
