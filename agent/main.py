@@ -229,9 +229,11 @@ def start_datapath(settings: AgentSettings, *, store: Any, token: bytes, runtime
     """Start the transfer engine from the settings, register the store's segments, run the preflight."""
     from daybreak.agent.preflight import Preflight
     from daybreak.agent.store.datapath import StoreDataPath
+    from daybreak.agent.transfer.config import EngineConfig
     from daybreak.agent.transfer.engine import TransferEngine
 
-    engine = TransferEngine.from_settings(settings, token=token.decode(), runtime=runtime, verbs=verbs).start()
+    config = EngineConfig.for_agent(settings, token=token.decode())
+    engine = TransferEngine.from_config(config, runtime=runtime, verbs=verbs).start()
     datapath = StoreDataPath(store=store, engine=engine, own_engine=True)
     datapath.register()
     datapath.preflight = Preflight(engine=engine, runtime=runtime).run()

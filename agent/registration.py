@@ -1,7 +1,7 @@
 """Register the store's memory with every usable RDMA NIC through pyverbs, keeping lkey/rkey/IOVA per NIC.
 
 pyverbs is optional and comes from the distribution (Debian ``python3-pyverbs``),
-loaded through the one shim, ``daybreak.agent.verbs``. Host segments get a plain ``MR``; device segments a
+loaded through the one shim, ``daybreak.agent.runtime.verbs``. Host segments get a plain ``MR``; device segments a
 ``DmaBufMR`` over the runtime's dma-buf fd (IOVA = offset, not the virtual
 address) or, failing that, a peer-memory ``MR`` on the device address.
 Without pyverbs, without RDMA devices, or when nothing registers, the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from daybreak.agent.runtime.base import AcceleratorRuntime, DeviceBuffer, Unsupported
-from daybreak.agent.verbs import Importer, RdmaUnavailable, Verbs
+from daybreak.agent.runtime.verbs import Importer, RdmaUnavailable, Verbs
 
 log = logging.getLogger(__name__)
 

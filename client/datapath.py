@@ -14,8 +14,9 @@ strategy ``choose`` picks for that agent and buffer:
 - ``STREAM``: the store's own TCP stream, one round trip per batch; it stays the path over
   plain tcp because it was measured faster than the engine's tcp (docs/performance.md).
 
-The client library never imports the agent: the engine is handed in and used only through
-``DataEngine``'s plain primitives.
+The engine is handed in and used only through ``DataEngine``'s plain primitives; an engine pod builds it with
+``engine_for_pod`` (the agent's own builder, loaded on call: of the agent the client imports only the transfer
+engine and the runtimes, the library engine pods load).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daybreak.pool import protocol as p
 from daybreak.pool.checksum import crc32c
 from daybreak.pool.connection import Connection
+
+if TYPE_CHECKING:
+    from daybreak.api.enginepod import EnginePodEnv
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,21 @@ class DataEngine(Protocol):
     def register_segment(self, memory: Any) -> Any: ...
 
     def unregister_segment(self, segment: Any) -> None: ...
+
+
+def engine_for_pod(pod: EnginePodEnv, *, token: str, node: str | None = None, runtime: Any = None) -> DataEngine:
+    """A started transfer engine for an engine pod, from its contract (``client.env.engine_pod_env()``): the same
+    builder the agent uses (``TransferEngine.from_config``), through ``EngineConfig.for_engine_pod``.
+
+    ``token`` is the credential the pod reads with (``client.env.read_pool_token``); ``node`` the pod's node name
+    (shm and link reach only the agent on the same node); ``runtime`` an accelerator runtime for device buffers
+    (``daybreak.agent.runtime.load_runtime``). The caller closes the engine after the client. The transfer engine
+    is loaded here, not at import, so ``import daybreak.client`` stays light.
+    """
+    from daybreak.agent.transfer import EngineConfig, TransferEngine
+
+    config = EngineConfig.for_engine_pod(pod, token=token, node=node)
+    return TransferEngine.from_config(config, runtime=runtime).start()
 
 
 @dataclass(frozen=True)

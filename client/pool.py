@@ -84,8 +84,8 @@ class KVPoolClient:
     shared memory) and let the key's home record where it is; readers elsewhere follow that record.
     ``tls_ca_file``: speak TLS to the agents (started with ``--tls-cert``), checking their
     certificates against this CA bundle (docs/security.md has the cost).
-    ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started) to move bytes
-    one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
+    ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started; an engine pod builds
+    it from its contract with ``daybreak.client.datapath.engine_for_pod``) to move bytes one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
     needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
     Give the engine the same credential as ``token`` (``TransferEngine(token=...)``): the agents'
     engines admit a namespace credential and check, per request, the capability the agent granted

@@ -4,7 +4,10 @@ Lowest first: ``daybreak.errors`` (the exception root), ``daybreak.logs`` (the o
 (models, no I/O) <- ``daybreak.pool`` (the pool's contract) <-
 ``daybreak.client`` and ``daybreak.agent`` <- ``daybreak.operator`` (which
 imports nothing of the agent: the config it writes is ``api/agentconfig.py``) <- the CLI (the ``daybreak/`` folder),
-``daybreak.bench`` and ``daybreak.testing``. Inside the operator the same
+``daybreak.bench`` and ``daybreak.testing``. The transfer engine and the device runtimes
+(``ENGINE_LIBRARY``: ``agent/transfer/``, ``agent/runtime/``) are a library engine pods load: they
+import nothing else of the agent, and they are the only part of it that ``client``, ``connectors``
+and ``serving`` may import. Inside the operator the same
 holds module by module (``OPERATOR_LAYERS``), and its reconcilers and planner
 loop never import each other. Function-level imports count the
 same as module-level ones. Each rule is also checked against a planted
@@ -44,6 +47,11 @@ OPERATOR_LAYERS: tuple[tuple[str, ...], ...] = (
     ("main",),
 )
 APART = 4
+# The library engine pods load: the transfer engine and the device runtimes it needs. It imports nothing else of
+# the agent (the agent keeps the serving side: segments, store datapath, preflight), and it is all of the agent
+# that the client, the connectors and the engines may import.
+ENGINE_LIBRARY = ("daybreak.agent.transfer", "daybreak.agent.runtime")
+ENGINE_LIBRARY_USERS = ("daybreak.client", "daybreak.connectors", "daybreak.serving")
 # Transports sit below the engine and never import it.
 TRANSPORT_MODULES = ("shm", "tcp", "rdma", "link", "transport", "registry", "control")
 
@@ -132,8 +140,14 @@ def violations(root: Path) -> list[str]:
                 continue
             if layer == "daybreak.operator" and any(_under(imp.target, ok) for ok in OPERATOR_MAY_READ):
                 continue
+            if layer in ENGINE_LIBRARY_USERS and any(_under(imp.target, lib) for lib in ENGINE_LIBRARY):
+                continue
             if any(_under(imp.target, f) for f in forbidden):
                 out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} ({why})")
+        if any(_under(imp.module, lib) for lib in ENGINE_LIBRARY) and _under(imp.target, "daybreak.agent") and \
+                not any(_under(imp.target, lib) for lib in ENGINE_LIBRARY):
+            out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} (the transfer engine and the runtimes "
+                       "are a library engine pods load: nothing else of the agent)")
         if (why := _operator_order(imp.module, imp.target)) is not None:
             out.append(f"{imp.where(root)}: {imp.module} imports {imp.target} ({why})")
         if imp.module in transports and _under(imp.target, "daybreak.agent.transfer.engine"):
@@ -233,11 +247,17 @@ def test_the_checks_find_planted_violations(tmp_path: Path) -> None:
         "client/pool.py": "from daybreak.errors import DaybreakError\nfrom daybreak.agent.store import engine\n"
                           "class Fine(DaybreakError, ValueError):\n    pass\n",
         "client/aio.py": "from .. import cli\n",
+        "client/datapath.py": "from daybreak.agent.transfer import TransferEngine\n"
+                              "from daybreak.agent.runtime import load_runtime\n",
         "agent/__init__.py": "",
         "agent/settings.py": "",
         "agent/transfer/__init__.py": "",
         "agent/transfer/engine.py": "",
         "agent/transfer/tcp.py": "from daybreak.agent.transfer.engine import TransferEngine\n",
+        "agent/transfer/rdma.py": "from daybreak.agent.runtime.verbs import Verbs\n"
+                                  "def f():\n    from daybreak.agent import verbs\n",
+        "agent/runtime/__init__.py": "from . import base\nfrom ..settings import AgentSettings\n",
+        "agent/runtime/base.py": "",
         "agent/main.py": "class Broken(RuntimeError):\n    pass\n",
         "operator/__init__.py": "",
         "operator/pool.py": "def f():\n    from daybreak.agent.settings import AgentSettings\n"
@@ -258,6 +278,8 @@ def test_the_checks_find_planted_violations(tmp_path: Path) -> None:
         "client/pool.py:2: daybreak.client.pool imports daybreak.agent.store.engine",
         "client/aio.py:1: daybreak.client.aio imports daybreak.cli",
         "agent/transfer/tcp.py:1: daybreak.agent.transfer.tcp imports daybreak.agent.transfer.engine.TransferEngine",
+        "agent/transfer/rdma.py:3: daybreak.agent.transfer.rdma imports daybreak.agent.verbs",
+        "agent/runtime/__init__.py:2: daybreak.agent.runtime imports daybreak.agent.settings.AgentSettings",
         "operator/pool.py:2: daybreak.operator.pool imports daybreak.agent.settings.AgentSettings",
         "operator/pool.py:3: daybreak.operator.pool imports daybreak.agent.main",
         "operator/autoscaler.py:3: daybreak.operator.autoscaler imports daybreak.operator.controller.Controller",

@@ -22,6 +22,11 @@ Quick tour (one engine per process; every call is thread-safe)::
     engine.transfer([...])                      # submit + wait + raise_for_status
     view = engine.map_remote(remote)            # same node + shm: read the peer's pages in place
 
+From a process's settings: ``TransferEngine.from_config(EngineConfig.for_agent(settings, token=...))`` in
+the agent, ``EngineConfig.for_engine_pod(pod_env, token=...)`` in an engine pod
+(``daybreak.client.datapath.engine_for_pod`` does that). This package and ``daybreak.agent.runtime`` are a
+library engine pods load: they import nothing else of the agent.
+
 Device memory: pass ``runtime=`` (a ``daybreak.agent.runtime`` runtime) and register its
 ``DeviceBuffer``; requests then use link (same node), rdma, or shm/tcp staged through host memory.
 
@@ -50,6 +55,7 @@ from daybreak.agent.transfer.batch import (
     TransferRequest,
 )
 from daybreak.agent.transfer.breaker import CircuitBreaker
+from daybreak.agent.transfer.config import EngineConfig
 from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
 from daybreak.agent.transfer.engine import TransferEngine
 from daybreak.agent.transfer.transport import DeviceMemory, LocalSegment, RemoteSegment
@@ -60,6 +66,7 @@ __all__ = [
     "CircuitBreaker",
     "DeviceMemory",
     "DeviceRegion",
+    "EngineConfig",
     "LocalSegment",
     "NicRegion",
     "Op",

@@ -65,12 +65,15 @@ def dial(address: tuple[str, int], *, timeout_s: float, tls: TlsContexts | None)
 def accept(raw: socket.socket, *, tls: TlsContexts | None, deadline: float, peer: str) -> Stream:
     """The server side of a fresh connection, before the HELLO: plain, or TLS when the engine requires it.
 
-    A plaintext peer of a TLS engine gets one ERROR frame saying so and ``PlaintextRefused``.
+    A plaintext peer of a TLS engine gets one ERROR frame saying so and ``PlaintextRefused``. An engine with a
+    client context only (``tls.server`` None: an engine pod toward a TLS pool, no certificate of its own) dials
+    TLS and serves nobody: every incoming connection is closed the same way.
     """
     if tls is None:
         return raw
     if tls.server is None:
-        raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
+        _close_gently(raw)
+        raise PlaintextRefused(f"peer {peer} refused: this engine dials TLS only and has no certificate to serve with")
     previous = raw.gettimeout()
     raw.settimeout(max(0.001, deadline - time.monotonic()))
     if not looks_like_tls(raw):

@@ -31,6 +31,7 @@ from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
+from daybreak.agent.transfer.config import DEFAULT_TIMEOUT_S, EngineConfig
 from daybreak.agent.transfer.control import token_scope
 from daybreak.agent.transfer.descriptor import SegmentDescriptor
 from daybreak.agent.transfer.registry import TRANSPORTS, TransportConfig, check_names, open_transports
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_TIMEOUT_S", "TRANSPORTS", "DeviceMemory", "Job", "LocalSegment", "RemoteSegment",
            "TransferEngine", "Transport", "default_node_name"]
 
-DEFAULT_TIMEOUT_S = 30.0
 
 
 class _DeadlineMonitor(threading.Thread):
@@ -115,8 +115,9 @@ class TransferEngine:
       tcp_connections: connections per peer; slice_bytes: largest tcp slice/frame payload.
       checksum: crc32c every tcp slice (both directions).
       token: shared secret checked when a tcp connection opens (empty: none).
-      tls: ``pool.tls.TlsContexts`` (``AgentSettings.tls()``, the store's settings): tcp serves and
-        dials TLS only, a plaintext peer is refused (default: None, plain tcp).
+      tls: ``pool.tls.TlsContexts`` (an agent's: the store's settings): tcp serves and dials TLS only, a
+        plaintext peer is refused; with no ``server`` context (an engine pod's) it dials TLS and serves
+        nobody (default: None, plain tcp).
       timeout_s: default deadline of a batch, in seconds.
       caps: ``pool.admission.Caps`` of the tcp server: connections in total and per peer address
         (default: ``Caps()``; an agent's engine takes the store's ``max_connections*`` settings).
@@ -179,30 +180,12 @@ class TransferEngine:
         self.bytes_fell_back: dict[tuple[str, str], int] = {}
 
     @classmethod
-    def from_settings(cls, settings: Any, *, token: str = "", runtime: Any = None, topology: Any = None,
-                      verbs: Any = None) -> TransferEngine:
-        """An engine configured from ``AgentSettings`` (``transfer_*``, ``node_name``, ``rdma_devices``,
-        ``transports``: the pool's ``spec.transport.preference`` as the operator renders it).
-
-        An agent's engine serves tcp to the pod network, so it always checks a credential (``token``, the pool
-        secret) and binds no wider than the store (``transfer_listen`` empty: the store's host, a free port).
-        With the store's TLS settings (``tls_cert_file``...) its tcp is TLS too, with the same certificate.
-        """
-        if not token:
-            raise ValueError("the agent's transfer engine needs the pool secret as its token (an engine without one "
-                             "would accept any peer); pass token=")
-        listen = settings.transfer_listen
-        if not listen:
-            host = settings.listen.rpartition(":")[0] or "127.0.0.1"
-            listen = f"{host}:0"
-        return cls(node=settings.node_name or None, listen=listen, transports=settings.transports,
-                   advertise=settings.transfer_advertise or None, tcp_connections=settings.transfer_connections,
-                   slice_bytes=settings.transfer_slice_bytes, checksum=settings.transfer_checksum, token=token,
-                   timeout_s=settings.transfer_timeout_seconds, runtime=runtime, topology=topology, verbs=verbs,
-                   rdma_nics=settings.rdma_devices or None, tls=settings.tls(),
-                   caps=Caps(max_connections=settings.max_connections,
-                             max_connections_per_address=settings.max_connections_per_address),
-                   idle_seconds=settings.idle_seconds)
+    def from_config(cls, config: EngineConfig, *, runtime: Any = None, topology: Any = None,
+                    verbs: Any = None) -> TransferEngine:
+        """An engine configured from an ``EngineConfig``: the one way a process's settings become an engine (the
+        agent's through ``EngineConfig.for_agent``, an engine pod's through ``EngineConfig.for_engine_pod``).
+        The hardware handles are not settings and come alongside."""
+        return cls(**config.as_kwargs(), runtime=runtime, topology=topology, verbs=verbs)  # type: ignore[arg-type]
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TransferEngine:

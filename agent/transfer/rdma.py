@@ -23,7 +23,7 @@ hardware (this project's machines have none). Shape:
 pyverbs names used: device.get_device_list/Context(query_port, query_gid),
 pd.PD, mr.MR/DmaBufMR, cq.CQ(poll), qp.QPCap/QPInitAttr/QPAttr/QP(to_rts,
 modify, post_send, qp_num), addr.GID/GlobalRoute/AHAttr, wr.SGE/SendWR
-(set_wr_rdma) and the IBV_* constants, all through the one shim ``daybreak.agent.verbs``
+(set_wr_rdma) and the IBV_* constants, all through the one shim ``daybreak.agent.runtime.verbs``
 (pyverbs.libibverbs_enums in rdma-core v59+, pyverbs.enums before).
 """
 
@@ -39,13 +39,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from daybreak.agent.runtime.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
-from daybreak.agent.verbs import TRANSPORT_MODULES, RdmaUnavailable, Verbs, enum
 from daybreak.errors import DaybreakError
 
 log = logging.getLogger(__name__)

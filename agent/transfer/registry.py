@@ -55,8 +55,8 @@ def _tcp(host: TransportHost, config: TransportConfig) -> Transport | None:
 
 
 def _rdma(host: TransportHost, config: TransportConfig) -> Transport | None:
+    from daybreak.agent.runtime.verbs import RdmaUnavailable
     from daybreak.agent.transfer.rdma import RdmaTransport
-    from daybreak.agent.verbs import RdmaUnavailable
 
     try:
         return RdmaTransport(host, verbs=config.verbs, topology=config.topology, runtime=config.runtime,

@@ -117,8 +117,6 @@ class TcpTransport(Transport):
     def __init__(self, host: TransportHost, *, listen: str = "127.0.0.1:0", advertise: str | None = None,
                  connections: int = 2, slice_bytes: int = 4 << 20, checksum: bool = False,
                  tls: TlsContexts | None = None, caps: Caps | None = None, idle_seconds: float = 300.0) -> None:
-        if tls is not None and tls.server is None:
-            raise ValueError("tls: an engine serving tcp with TLS needs a certificate (tls_cert_file)")
         if idle_seconds <= 0:
             raise ValueError(f"idle_seconds: must be positive, got {idle_seconds}")
         self._host = host

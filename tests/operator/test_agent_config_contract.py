@@ -81,9 +81,11 @@ def test_the_transport_preference_reaches_the_agents_transfer_engine(tmp_path: P
     config_file = tmp_path / "agent.yaml"
     config_file.write_text(rendered)
     settings = AgentSettings.load(config_file=str(config_file), environ={})
+    from daybreak.agent.transfer.config import EngineConfig
     from daybreak.agent.transfer.engine import TransferEngine
 
-    engine = TransferEngine.from_settings(settings.model_copy(update={"listen": "127.0.0.1:0"}), token="t")
+    local = settings.model_copy(update={"listen": "127.0.0.1:0"})
+    engine = TransferEngine.from_config(EngineConfig.for_agent(local, token="t"))
     assert engine._wanted == ("tcp",)
 
 

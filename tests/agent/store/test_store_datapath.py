@@ -21,6 +21,8 @@ from daybreak.agent.store.engine import BlockStore, StoreConfig
 from daybreak.agent.store.server import StoreServer
 from daybreak.agent.transfer import TransferEngine
 from daybreak.client import KVPoolClient
+from daybreak.client.datapath import engine_for_pod
+from daybreak.client.env import engine_pod_env
 from daybreak.pool import shm as pool_shm
 from daybreak.pool.credentials import namespace_credential
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
@@ -86,6 +88,36 @@ def test_puts_and_gets_move_through_the_engines_shm_transport_byte_exact(pool: d
         out = [np.zeros(n, np.uint8) for n in SIZES]
         assert c.batch_get_into(keys, out) == SIZES
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+
+
+def test_an_engine_pods_engine_is_built_from_its_contract_and_uses_only_the_pools_transports(
+        pool: dict[str, Any]) -> None:
+    """``engine_for_pod`` (the agent's own builder, ``TransferEngine.from_config``) from the engine-pod contract:
+    with shm allowed the bytes move by shm; with tcp only the engine is never the path (the stream is)."""
+    agent = _agent(pool)
+    assert agent.wait_log("event=preflight transport=shm works=True"), agent.log[-2000:]
+    data = _blocks(5)
+    keys = [f"pod{i}" for i in range(len(data))]
+    shm_pod = engine_pod_env({"DAYBREAK_TRANSPORTS": "shm,tcp"})
+    engine = engine_for_pod(shm_pod, token=_token(pool))
+    try:
+        with KVPoolClient([agent.address], token=_token(pool), namespace="ns", engine=engine) as c:
+            assert c.batch_put(keys, data) == [1] * len(keys)
+            out = [np.zeros(n, np.uint8) for n in SIZES]
+            assert c.batch_get_into(keys, out) == SIZES
+            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert engine.bytes_used == {"shm": 2 * sum(SIZES)}
+    finally:
+        engine.close()
+    tcp_engine = engine_for_pod(engine_pod_env({"DAYBREAK_TRANSPORTS": "tcp"}), token=_token(pool))
+    try:
+        with KVPoolClient([agent.address], token=_token(pool), namespace="ns", engine=tcp_engine) as c:
+            out = [np.zeros(n, np.uint8) for n in SIZES]
+            assert c.batch_get_into(keys, out) == SIZES
+            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert tcp_engine.bytes_used == {}  # tcp only: the one-round-trip stream, not the engine
+    finally:
+        tcp_engine.close()
 
 
 def test_a_failing_shm_path_falls_back_to_tcp_and_the_bytes_are_counted(pool: dict[str, Any],

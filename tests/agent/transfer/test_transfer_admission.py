@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from daybreak.agent.transfer import TransferEngine, wire
+from daybreak.agent.transfer import EngineConfig, TransferEngine, wire
 from daybreak.pool.admission import Caps
 from daybreak.pool.handshake import Hello, _proof
 from daybreak.testing.transfer_peer import PeerProcess, pattern
@@ -137,5 +137,5 @@ def test_agent_engine_takes_the_stores_connection_settings() -> None:
 
     settings = AgentSettings(listen="127.0.0.1:0", max_connections=9, max_connections_per_address=4,
                              idle_seconds=7.5)
-    engine = TransferEngine.from_settings(settings, token=TOKEN)
+    engine = TransferEngine.from_config(EngineConfig.for_agent(settings, token=TOKEN))
     assert (engine.caps.max_connections, engine.caps.max_connections_per_address, engine.idle_seconds) == (9, 4, 7.5)

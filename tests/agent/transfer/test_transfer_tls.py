@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from daybreak.agent.settings import AgentSettings
-from daybreak.agent.transfer import Status, TransferEngine, TransferRequest, wire
+from daybreak.agent.transfer import EngineConfig, Status, TransferEngine, TransferRequest, wire
 from daybreak.pool.tls import TlsSettingsError, contexts
 from daybreak.testing.transfer_peer import PeerProcess, pattern
 
@@ -138,7 +138,7 @@ def test_an_agents_engine_takes_the_stores_tls_settings(certs: dict[str, tuple[s
     cert, key = certs["pool"]
     settings = AgentSettings.load(environ={"DAYBREAK_TLS_CERT_FILE": cert, "DAYBREAK_TLS_KEY_FILE": key,
                                            "DAYBREAK_TLS_CA_FILE": cert})
-    with TransferEngine.from_settings(settings, token=TOKEN) as engine:
+    with TransferEngine.from_config(EngineConfig.for_agent(settings, token=TOKEN)) as engine:
         assert engine.tls is not None
         engine.transfer([TransferRequest.write(engine.open_remote(tls_peer.descriptor), 0, b"agent")])
         assert tls_peer.hash(0, 5) == _sha(b"agent")
@@ -159,3 +159,25 @@ def test_an_idle_tls_connection_outlives_the_handshake_deadline(certs: dict[str,
         time.sleep(1.5)  # three handshake deadlines of idleness
         assert client.transfer([TransferRequest.write(remote, 8, b"second")])[0].attempts == 1
         assert memory[:5] == b"first" and memory[8:14] == b"second"
+
+
+def test_an_engine_pods_engine_speaks_tls_to_the_agents_when_the_pool_gives_a_ca(
+        certs: dict[str, tuple[str, str]], tls_peer: PeerProcess) -> None:
+    """``EngineConfig.for_engine_pod`` with ``DAYBREAK_POOL_TLS_CA_FILE``: the pod's engine dials TLS (it serves
+    none: it has no certificate) and reaches a TLS-only peer; without the CA it is refused."""
+    from daybreak.api.enginepod import EnginePodEnv
+
+    cert, _ = certs["pool"]
+    pod = EnginePodEnv(transports=["tcp"], pool_tls_ca_file=cert)
+    with TransferEngine.from_config(EngineConfig.for_engine_pod(pod, token=TOKEN)) as engine:
+        assert engine.tls is not None and engine.tls.server is None
+        engine.transfer([TransferRequest.write(engine.open_remote(tls_peer.descriptor), 0, b"podtls")])
+        assert tls_peer.hash(0, 6) == _sha(b"podtls")
+        host, _, port = engine.tcp_endpoint.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as raw:  # it serves nobody
+            assert raw.recv(1) == b""
+    plain = EnginePodEnv(transports=["tcp"])
+    with TransferEngine.from_config(EngineConfig.for_engine_pod(plain, token=TOKEN)) as engine:
+        batch = engine.submit([TransferRequest.write(engine.open_remote(tls_peer.descriptor), 0, b"nope")],
+                              timeout_s=5.0)
+        assert [r.status for r in batch.wait()] == [Status.FAILED]

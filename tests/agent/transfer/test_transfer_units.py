@@ -14,6 +14,7 @@ import pytest
 from daybreak.agent.transfer import (
     BatchHandle,
     CircuitBreaker,
+    EngineConfig,
     NicRegion,
     SegmentDescriptor,
     Status,
@@ -171,8 +172,26 @@ def test_engine_from_agent_settings() -> None:
 
     settings = AgentSettings.load(environ={"DAYBREAK_TRANSFER_LISTEN": "127.0.0.1:0", "DAYBREAK_NODE_NAME": "n7",
                                            "DAYBREAK_TRANSFER_CHECKSUM": "true", "DAYBREAK_TRANSFER_CONNECTIONS": "3"})
-    with TransferEngine.from_settings(settings, token="t") as engine:
+    with TransferEngine.from_config(EngineConfig.for_agent(settings, token="t")) as engine:
         assert (engine.node, engine.checksum, engine.tcp_connections) == ("n7", True, 3)
+        assert engine.tcp_endpoint.startswith("127.0.0.1:")
+
+
+def test_an_engine_pods_engine_config_comes_from_its_contract() -> None:
+    """``EngineConfig.for_engine_pod``: the pool's transports (empty: all), loopback only, the pod's credential
+    (never in a repr); TLS toward the agents is test_transfer_tls's."""
+    from daybreak.agent.transfer.registry import TRANSPORTS
+    from daybreak.api.enginepod import EnginePodEnv
+
+    with pytest.raises(ValueError, match="DAYBREAK_POOL_TOKEN"):
+        EngineConfig.for_engine_pod(EnginePodEnv(), token="")
+    plain = EngineConfig.for_engine_pod(EnginePodEnv(), token="s3cr3t-xyz", node="n3")
+    assert (plain.transports, plain.listen, plain.node, plain.tls) == (TRANSPORTS, "127.0.0.1:0", "n3", None)
+    assert "s3cr3t-xyz" not in repr(plain)
+    config = EngineConfig.for_engine_pod(EnginePodEnv(transports=["shm", "tcp"]), token="cred")
+    assert config.transports == ("shm", "tcp")
+    with TransferEngine.from_config(config) as engine:
+        assert engine._wanted == ("shm", "tcp") and engine.token == "cred"
         assert engine.tcp_endpoint.startswith("127.0.0.1:")
 
 
@@ -181,8 +200,8 @@ def test_an_agents_engine_needs_a_token_and_binds_no_wider_than_the_store() -> N
 
     settings = AgentSettings.load(environ={"DAYBREAK_LISTEN": "127.0.0.3:7480"})
     with pytest.raises(ValueError, match="needs the pool secret"):
-        TransferEngine.from_settings(settings, token="")
-    with TransferEngine.from_settings(settings, token="a-pool-secret") as engine:
+        TransferEngine.from_config(EngineConfig.for_agent(settings, token=""))
+    with TransferEngine.from_config(EngineConfig.for_agent(settings, token="a-pool-secret")) as engine:
         assert engine.tcp_endpoint.startswith("127.0.0.3:")  # the store's host, not 0.0.0.0
 
 

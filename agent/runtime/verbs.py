@@ -5,7 +5,7 @@ rdma-core v59 and later expose the ``IBV_*`` constants as members of enum
 classes in ``pyverbs.libibverbs_enums``; older releases (Debian's 44) as module
 constants in ``pyverbs.enums``. ``Verbs.load`` imports whichever exists and
 ``enum`` reads a constant from either. Both users stand on this module: the
-node side's memory registrar (``registration.py``) and the rdma transport.
+node side's memory registrar (``agent/registration.py``) and the rdma transport.
 """
 
 from __future__ import annotations
