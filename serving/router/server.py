@@ -216,8 +216,7 @@ class ClientGone(DaybreakError):
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None
            ) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status)
+    return web.json_response(openai.error_body(message, kind=kind, param=param, code=None), status=status)
 
 
 def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -452,7 +451,7 @@ class Router:
             if state.response is None:
                 return _error(504, message, kind="timeout")
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await state.response.write(openai.sse({"error": {"message": message, "type": "timeout"}}))
+                await state.response.write(openai.sse(openai.stream_error_body(message, kind="timeout")))
                 await state.response.write_eof()
             return state.response
         except asyncio.CancelledError:
@@ -871,9 +870,9 @@ class Router:
         if state.response is None:
             return _error(503, f"{role} step failed: {reason}", kind="service_unavailable")
         # The client already has a 200 and some tokens: end the stream with an error event.
-        error = {"error": {"message": f"{role} step failed mid-stream: {reason}", "type": "service_unavailable"}}
+        error = openai.stream_error_body(f"{role} step failed mid-stream: {reason}", kind="service_unavailable")
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await state.response.write(f"data: {json.dumps(error)}\n\n".encode())
+            await state.response.write(openai.sse(error, compact=False))
             await state.response.write_eof()
         return state.response
 
@@ -919,15 +918,14 @@ class Router:
                 if state.response is None:
                     if self.config.debug_headers:
                         headers["x-daybreak-decode"] = address
-                    state.response = web.StreamResponse(status=200, headers={
-                        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    state.response = web.StreamResponse(status=200, headers={**headers, **openai.SSE_HEADERS})
                     try:
                         await state.response.prepare(request)
                     except (ConnectionError, RuntimeError) as exc:
                         raise ClientGone() from exc
                     self.metrics.ttft_seconds.observe(time.monotonic() - started)
                 try:
-                    await state.response.write(b"data: " + data + b"\n\n")
+                    await state.response.write(openai.sse_data(data))
                 except (ConnectionError, RuntimeError) as exc:
                     raise ClientGone() from exc
                 state.sent_chunks += 1
@@ -940,11 +938,10 @@ class Router:
             raise ValueError("decode stream ended without a token")
         if client_wants_usage:
             usage = combine_usage(prefill_usage, state.usage)
-            final = dict(state.template or {"object": "text_completion", "choices": []})
-            final["usage"] = self._public_usage(usage) if usage is not None else None
-            final["choices"] = []
-            await response.write(f"data: {json.dumps(final)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+            final = openai.relayed_usage_chunk(state.template,
+                                               usage=self._public_usage(usage) if usage is not None else None)
+            await response.write(openai.sse(final, compact=False))
+        await response.write(openai.DONE)
         await response.write_eof()
         return response
 
