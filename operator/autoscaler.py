@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
+from daybreak.operator.engine_metrics import parse_held
 from daybreak.operator.kube import POD, KubeClient, KubeError, Manifest
 from daybreak.operator.metrics_scrape import Target, pod_is_live, scrape, scrape_target
 from daybreak.operator.planner import (
@@ -43,7 +44,6 @@ from daybreak.operator.planner import (
     RolePlanner,
     Targets,
     deletion_costs,
-    parse_held,
     policy_for,
 )
 

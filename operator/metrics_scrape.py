@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from daybreak.operator.planner import MetricsError, PodSample, parse_metrics
+from daybreak.operator.engine_metrics import MetricsError, PodSample, parse_metrics
 
 logger = logging.getLogger(__name__)
 

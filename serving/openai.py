@@ -29,9 +29,19 @@ class RequestError(DaybreakError, ValueError):
     """A request field is missing or malformed; the message names the field (answered with 400)."""
 
 
-def sse(payload: Mapping[str, Any]) -> bytes:
-    """One SSE event carrying ``payload`` as JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def sse_data(data: bytes) -> bytes:
+    """One SSE event carrying ``data``, JSON already encoded (an engine's chunk that the router relays as is)."""
+    return b"data: " + data + b"\n\n"
+
+
+def sse(payload: Mapping[str, Any], *, compact: bool = True) -> bytes:
+    """One SSE event carrying ``payload`` as JSON.
+
+    ``compact=False`` spaces the JSON as ``json.dumps`` does by default: the router's own events (its
+    mid-stream error, the usage chunk that ends a relayed stream) have always been written that way.
+    """
+    separators = (",", ":") if compact else None
+    return sse_data(json.dumps(payload, separators=separators).encode())
 
 
 def parse_sse(stream: bytes) -> Iterator[dict[str, Any]]:
@@ -103,10 +113,25 @@ def usage_chunk(*, kind: Kind, rid: str, model: str, usage: Mapping[str, Any],
             "created": created or int(time.time()), "model": model, "choices": [], "usage": dict(usage)}
 
 
+def relayed_usage_chunk(template: Mapping[str, Any] | None, *, usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The final chunk of a relayed stream asked for usage: the engine's own usage chunk (``template``: its
+    id, object, created, model and whatever else it carries, in its order) with ``usage`` in place of the
+    engine's and no choices; a bare completion chunk when the engine sent none."""
+    final = dict(template or {"object": "text_completion", "choices": []})
+    final["usage"] = dict(usage) if usage is not None else None
+    final["choices"] = []
+    return final
+
+
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-               code: int = 400) -> dict[str, Any]:
-    """OpenAI's error shape."""
+               code: int | None = 400) -> dict[str, Any]:
+    """OpenAI's error shape (the router answers with ``code`` None, the sim engine with the HTTP status)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def stream_error_body(message: str, *, kind: str) -> dict[str, Any]:
+    """The error event that ends a stream whose 200 already went out: message and type only."""
+    return {"error": {"message": message, "type": kind}}
 
 
 def stream_settings(body: Mapping[str, Any]) -> tuple[bool, bool]:

@@ -36,8 +36,8 @@ OPERATOR_MAY_READ: tuple[str, ...] = ()
 # (state, status writer, rollout), and the planner reaches the PDDeployment reconciler only through the
 # submit_scale callable the term hands it. Modules not named here are not checked.
 OPERATOR_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "pool_policy", "planner",
-     "metrics_scrape", "children"),
+    ("kube", "conditions", "metrics", "workqueue", "events", "leader", "settings", "pool_policy", "engine_metrics",
+     "planner", "metrics_scrape", "children"),
     ("pool", "deployment"),
     ("state",),
     ("status_writer", "agent_binding", "rollout"),

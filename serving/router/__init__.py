@@ -202,7 +202,8 @@ async def _main(args: argparse.Namespace) -> int:
     from daybreak.serving import kube
     from daybreak.serving.router.auth import AuthConfigError, Credentials
     from daybreak.serving.router.discovery import RolePods, service_lister
-    from daybreak.serving.router.server import PoolLookup, Router, serve
+    from daybreak.serving.router.pool_lookup import PoolLookup
+    from daybreak.serving.router.server import Router, serve
 
     block_tokens = block_tokens_of(args.kv_layout)
     for flag, value in (("--max-concurrent-per-client", args.max_concurrent_per_client),

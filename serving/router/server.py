@@ -4,8 +4,8 @@ Per request (``/v1/completions`` or ``/v1/chat/completions``):
 
 1. parse the prompt (``serving.prompt``) and compute its chained block keys
    (only when a kvLayout is configured; a vLLM deployment may run without);
-2. ask the pool how many leading blocks it holds (``batch_exists``, one
-   round trip per 1,024 keys, stopping at the first miss);
+2. ask the pool how many leading blocks it holds (``pool_lookup``:
+   ``batch_exists``, one round trip per 1,024 keys, stopping at the first miss);
 3. unless the pool holds every full block, run a **prefill step** on the pod
    ``choice.rank`` picks by load and engine-local prefix (``max_tokens: 1``,
    ``stream: false``); the engine writes the blocks it computed to the pool;
@@ -66,7 +66,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,22 +82,20 @@ from prometheus_client import (
 )
 
 from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
-from daybreak.client import AsyncKVPoolClient
 from daybreak.errors import DaybreakError
-from daybreak.pool import credentials
 from daybreak.serving import openai
 from daybreak.serving.prompt import PromptError, block_keys, parse_prompt
 from daybreak.serving.router import choice
 from daybreak.serving.router.auth import Credentials, credential_salt
 from daybreak.serving.router.discovery import PodState, RolePods
 from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT, ConcurrencyLimits, client_id
+from daybreak.serving.router.pool_lookup import PoolLookup
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BODY_BYTES = 32 << 20
 MAX_RESPONSE_BYTES = 64 << 20
-_EXISTS_CHUNK = 1024
 # A retry whose every known pod already failed waits this long for discovery to list another one.
 RETRY_WAIT_SECONDS = 5.0
 # A prefix query that takes longer than this is not worth its answer: route on load alone.
@@ -112,8 +110,6 @@ DEFAULT_HOLD_SECONDS = 120.0
 # How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
 CONTEXT_LENGTH_TTL_SECONDS = 30.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-EndpointLister = Callable[[], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -150,128 +146,6 @@ class RouterConfig:
     hold_seconds: float = DEFAULT_HOLD_SECONDS
     """A held request waits at most this long from its arrival for the engines (a pod's start-up, with margin);
     then 503 with ``Retry-After`` (or, with decode ready and prefill still missing, decode computes)."""
-
-
-_POOL_NAMESPACES = 4  # kvNamespaces with open pool clients at once (an upgrade has two live)
-
-
-class PoolLookup:
-    """How long a prefix the pool holds, through a few ``AsyncKVPoolClient``s per kvNamespace.
-
-    Each client serialises its calls and is bound to one kvNamespace; the request's namespace comes
-    from its engine pods' label (``namespace`` is the fallback for unlabelled, static pods). The lookup
-    is advisory: when the pool cannot be reached it answers None and the router routes on load alone
-    (and always prefills), retrying the connection at most once a second.
-    """
-
-    def __init__(self, *, endpoints: EndpointLister, token: str, namespace: str | None = None,
-                 clients: int = 4, tls_ca_file: str | None = None) -> None:
-        self._endpoints = endpoints
-        self._token = token
-        self._tls_ca_file = tls_ca_file
-        """The pool's CA when its agents speak TLS (``spec.tls``); None: plain tcp."""
-        self._namespace = namespace
-        # A namespace credential opens only its own namespace: during an upgrade this router's pods of
-        # the other generation are routed on load alone instead of failing a handshake per request.
-        scope, _ = credentials.parse(token)
-        self._only = scope.namespace if scope.role == credentials.NAMESPACE else None
-        self._skipped: set[str] = set()
-        self._clients = clients
-        self._slots: dict[str, asyncio.Queue[AsyncKVPoolClient | None]] = {}
-        self._retry_at = 0.0
-        self._failing = False
-
-    async def _queue(self, namespace: str) -> asyncio.Queue[AsyncKVPoolClient | None]:
-        queue = self._slots.get(namespace)
-        if queue is None:
-            if len(self._slots) >= _POOL_NAMESPACES:  # the oldest namespace is the one an upgrade retired
-                oldest = next(iter(self._slots))
-                await self._close_idle(self._slots.pop(oldest))
-            queue = asyncio.Queue()
-            for _ in range(self._clients):
-                queue.put_nowait(None)
-            self._slots[namespace] = queue
-        return queue
-
-    async def prefix(self, keys: list[str], *, namespace: str | None = None) -> int | None:
-        """Leading ``keys`` the pool holds in ``namespace``, or None when it could not be asked."""
-        if not keys:
-            return 0
-        namespace = namespace or self._namespace
-        if not namespace:
-            return None  # no kvNamespace known: nothing to ask
-        if self._only is not None and namespace != self._only:
-            if namespace not in self._skipped:
-                self._skipped.add(namespace)
-                log.info("event=pool_lookup_skipped namespace=%s reason=credential_is_for_%s "
-                         "action=route_on_load_and_prefill", namespace, self._only)
-            return None
-        queue = await self._queue(namespace)
-        client = await queue.get()
-        try:
-            if client is None:
-                if time.monotonic() < self._retry_at:
-                    return None
-                client = await self._connect(namespace)
-                if client is None:
-                    return None
-            held = 0
-            for start in range(0, len(keys), _EXISTS_CHUNK):
-                chunk = keys[start:start + _EXISTS_CHUNK]
-                found = await client.batch_exists(chunk)
-                run = choice.pool_prefix(found)
-                held += run
-                if run < len(chunk):
-                    break
-            if self._failing:
-                log.info("event=pool_lookup_recovered")
-                self._failing = False
-            return held
-        except Exception as exc:  # advisory: a pool problem must never fail a request
-            self._note_failure(exc)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.close()
-            client = None
-            return None
-        finally:
-            if self._slots.get(namespace) is queue:
-                queue.put_nowait(client)
-            elif client is not None:  # its namespace was evicted meanwhile
-                with contextlib.suppress(Exception):
-                    await client.close()
-
-    async def _connect(self, namespace: str) -> AsyncKVPoolClient | None:
-        try:
-            endpoints = await self._endpoints()
-            if not endpoints:
-                raise RuntimeError("the pool publishes no endpoints yet")
-            return await AsyncKVPoolClient.connect(endpoints, token=self._token, namespace=namespace,
-                                                   transport="tcp", timeout_seconds=5.0,
-                                                   tls_ca_file=self._tls_ca_file)
-        except Exception as exc:
-            self._note_failure(exc)
-            return None
-
-    def _note_failure(self, exc: BaseException) -> None:
-        self._retry_at = time.monotonic() + 1.0
-        if not self._failing:
-            log.warning("event=pool_lookup_failed error=%r action=route_on_load_and_prefill", str(exc) or
-                        type(exc).__name__)
-        self._failing = True
-
-    @staticmethod
-    async def _close_idle(queue: asyncio.Queue[AsyncKVPoolClient | None]) -> None:
-        """Close the idle clients of ``queue``; those in use are closed when they come back."""
-        while not queue.empty():
-            client = queue.get_nowait()
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.close()
-
-    async def close(self) -> None:
-        for queue in list(self._slots.values()):
-            await self._close_idle(queue)
 
 
 class Metrics:
@@ -342,8 +216,7 @@ class ClientGone(DaybreakError):
 
 def _error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None
            ) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status)
+    return web.json_response(openai.error_body(message, kind=kind, param=param, code=None), status=status)
 
 
 def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -578,7 +451,7 @@ class Router:
             if state.response is None:
                 return _error(504, message, kind="timeout")
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await state.response.write(openai.sse({"error": {"message": message, "type": "timeout"}}))
+                await state.response.write(openai.sse(openai.stream_error_body(message, kind="timeout")))
                 await state.response.write_eof()
             return state.response
         except asyncio.CancelledError:
@@ -997,9 +870,9 @@ class Router:
         if state.response is None:
             return _error(503, f"{role} step failed: {reason}", kind="service_unavailable")
         # The client already has a 200 and some tokens: end the stream with an error event.
-        error = {"error": {"message": f"{role} step failed mid-stream: {reason}", "type": "service_unavailable"}}
+        error = openai.stream_error_body(f"{role} step failed mid-stream: {reason}", kind="service_unavailable")
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await state.response.write(f"data: {json.dumps(error)}\n\n".encode())
+            await state.response.write(openai.sse(error, compact=False))
             await state.response.write_eof()
         return state.response
 
@@ -1045,15 +918,14 @@ class Router:
                 if state.response is None:
                     if self.config.debug_headers:
                         headers["x-daybreak-decode"] = address
-                    state.response = web.StreamResponse(status=200, headers={
-                        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                    state.response = web.StreamResponse(status=200, headers={**headers, **openai.SSE_HEADERS})
                     try:
                         await state.response.prepare(request)
                     except (ConnectionError, RuntimeError) as exc:
                         raise ClientGone() from exc
                     self.metrics.ttft_seconds.observe(time.monotonic() - started)
                 try:
-                    await state.response.write(b"data: " + data + b"\n\n")
+                    await state.response.write(openai.sse_data(data))
                 except (ConnectionError, RuntimeError) as exc:
                     raise ClientGone() from exc
                 state.sent_chunks += 1
@@ -1066,11 +938,10 @@ class Router:
             raise ValueError("decode stream ended without a token")
         if client_wants_usage:
             usage = combine_usage(prefill_usage, state.usage)
-            final = dict(state.template or {"object": "text_completion", "choices": []})
-            final["usage"] = self._public_usage(usage) if usage is not None else None
-            final["choices"] = []
-            await response.write(f"data: {json.dumps(final)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+            final = openai.relayed_usage_chunk(state.template,
+                                               usage=self._public_usage(usage) if usage is not None else None)
+            await response.write(openai.sse(final, compact=False))
+        await response.write(openai.DONE)
         await response.write_eof()
         return response
 

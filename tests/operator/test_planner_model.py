@@ -7,16 +7,13 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from daybreak.operator.engine_metrics import Histogram, PodSample, PodWindow, parse_metrics
 from daybreak.operator.planner import (
     DecodeLearning,
-    Histogram,
-    PodSample,
-    PodWindow,
     RolePlanner,
     Targets,
     deletion_costs,
     estimate_decode,
-    parse_metrics,
     policy_for,
     round_with_tolerance,
 )
@@ -598,7 +595,7 @@ def test_without_the_router_s_held_signal_a_role_keeps_one_pod() -> None:
 
 def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner() -> None:
     from daybreak.operator.autoscaler import ready_at
-    from daybreak.operator.planner import parse_held
+    from daybreak.operator.engine_metrics import parse_held
 
     text = ("# TYPE daybreak_router_held_requests gauge\n"
             "daybreak_router_held_requests{deployment=\"a\"} 2\n"

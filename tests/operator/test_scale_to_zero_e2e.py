@@ -24,7 +24,7 @@ import pytest
 
 from daybreak.bench.elastic import pdd_manifest
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.planner import parse_held
+from daybreak.operator.engine_metrics import parse_held
 from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 

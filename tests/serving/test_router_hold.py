@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
-from daybreak.operator.planner import parse_held
+from daybreak.operator.engine_metrics import parse_held
 from daybreak.serving.router.discovery import RolePods
 from daybreak.serving.router.server import HOLD_RETRY_AFTER_SECONDS, Router, RouterConfig
 from daybreak.serving.sim.server import output_text

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from daybreak.serving.prompt import block_keys
-from daybreak.serving.router.server import PoolLookup
+from daybreak.serving.router.pool_lookup import PoolLookup
 from daybreak.serving.sim.server import output_text
 from daybreak.testing.serving_stack import Stack, metric_sum
 
