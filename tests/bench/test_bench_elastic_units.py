@@ -9,6 +9,7 @@ import pytest
 
 from daybreak.bench.elastic import model_replicas, pod_seconds, ratios, reaction, slo_share
 from daybreak.serving.load.summary import RequestRecord
+from daybreak.serving.load.trace import TRACES_DIR
 
 
 def rec(*, ok: bool = True, ttft: float | None = 1.0, itl: list[float] | None = None) -> RequestRecord:
@@ -66,7 +67,7 @@ def test_ratios_and_the_target() -> None:
     assert ratios({"planner": result(0.95, 250, failed=1), "fixed-peak": result(0.95, 400)})["target_met"] is False
 
 
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_code_2023.csv"
+AZURE = TRACES_DIR / "azure_llm_code_2023.csv"  # in the repository (traces/README.md)
 
 
 def _args(**overrides: object) -> argparse.Namespace:
@@ -167,11 +168,9 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     assert out["predictive_vs_fixed-peak@1s"]["pod_seconds"] == pytest.approx(0.6)
 
 
-def test_the_shared_azure_trace_fits_with_sampling() -> None:
+def test_the_azure_trace_fits_with_sampling() -> None:
     from daybreak.bench.elastic import fit_token_scale, trace_stats
 
-    if not AZURE.exists():
-        pytest.skip(f"{AZURE} not present")
     stats = trace_stats(AZURE, sample=10, time_scale=0.1)
     assert stats.requests == 882
     prompt, output = fit_token_scale(stats, ttft=4.0, itl=0.08)
