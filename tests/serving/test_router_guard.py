@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from daybreak.serving.openai import parse_sse
 from daybreak.serving.router.auth import credential_salt
 from daybreak.serving.sim.server import output_text
 from daybreak.testing.serving_stack import HOST, Proc, Stack, metric_sum
@@ -118,12 +119,7 @@ def get(address: str, path: str, *, token: str | None = None) -> int:
 
 
 def events(raw: bytes) -> list[dict[str, Any]]:
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:") and block[5:].strip() != b"[DONE]":
-            out.append(json.loads(block[5:]))
-    return out
+    return list(parse_sse(raw))  # the SSE parser clients use (serving/openai.py)
 
 
 def wait_for(what: str, probe: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from daybreak.serving.openai import parse_sse
 from daybreak.serving.prompt import block_keys
 from daybreak.serving.router.pool_lookup import PoolLookup
 from daybreak.serving.sim.server import output_text
@@ -47,12 +48,7 @@ def post(address: str, body: dict[str, Any], *, path: str = "/v1/completions"
 
 
 def events(raw: bytes) -> list[dict[str, Any]]:
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:") and block[5:].strip() != b"[DONE]":
-            out.append(json.loads(block[5:]))
-    return out
+    return list(parse_sse(raw))  # the SSE parser clients use (serving/openai.py)
 
 
 def stream_text(chunks: list[dict[str, Any]]) -> str:
