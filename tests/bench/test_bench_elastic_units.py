@@ -63,7 +63,15 @@ def test_ratios_and_the_target() -> None:
     assert out["planner_vs_fixed-peak"] == {"slo_both": pytest.approx(1.0), "pod_seconds": pytest.approx(0.625)}
     assert out["planner_vs_fixed-avg"]["pod_seconds"] == pytest.approx(1.25)
     assert out["target_met"] is True
-    assert ratios({"planner": result(0.95, 300), "fixed-peak": result(0.95, 400)})["target_met"] is False
+    assert ratios({"planner": result(0.95, 310), "fixed-peak": result(0.95, 400)})["target_met"] is False
+    # The sinusoid's and the trace's bound is 0.60x; under 95% within both is never met; nor a steady change.
+    assert ratios({"planner": result(0.95, 250), "fixed-peak": result(0.95, 400)},
+                  pod_seconds_target=0.6)["target_met"] is False
+    assert ratios({"planner": result(0.94, 200), "fixed-peak": result(0.94, 400)})["target_met"] is False
+    assert ratios({"planner": result(0.96, 200), "fixed-peak": result(1.0, 400)})["target_met"] is False  # -4 pts
+    assert ratios({"planner": result(0.97, 200), "fixed-peak": result(1.0, 400)})["target_met"] is True  # -3 pts
+    assert ratios({"planner": {**result(0.97, 200), "steady_changes": 1},
+                   "fixed-peak": result(1.0, 400)})["target_met"] is False
     assert ratios({"planner": result(0.95, 250, failed=1), "fixed-peak": result(0.95, 400)})["target_met"] is False
 
 
@@ -161,9 +169,9 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     def result(both: float, pods: float) -> dict[str, object]:
         return {"slo": {"both": both}, "pod_seconds": pods, "failed_requests": 0}
 
-    out = ratios({"planner@1s": result(0.9, 50), "predictive@1s": result(0.95, 60), "fixed-peak@1s": result(0.9, 100),
+    out = ratios({"planner@1s": result(0.95, 50), "predictive@1s": result(0.95, 60), "fixed-peak@1s": result(0.95, 100),
                   "planner@120s": result(0.5, 50), "fixed-peak@120s": result(0.9, 100)})
-    assert out["target_met@1s"] is True and out["predictive_target_met@1s"] is True
+    assert out["target_met@1s"] is True and out["predictive_target_met@1s"] is True  # 0.5x and 0.6x
     assert out["target_met@120s"] is False
     assert out["predictive_vs_fixed-peak@1s"]["pod_seconds"] == pytest.approx(0.6)
 
@@ -175,3 +183,16 @@ def test_the_azure_trace_fits_with_sampling() -> None:
     assert stats.requests == 882
     prompt, output = fit_token_scale(stats, ttft=4.0, itl=0.08)
     assert 0.05 < prompt < 0.5 and output == 1.0
+
+
+def test_steady_changes_count_pod_changes_only_inside_the_steps_settled_phases() -> None:
+    from daybreak.bench.elastic import steady_changes, steady_windows
+
+    args = argparse.Namespace(trace=None, shape="step", base_seconds=40.0, peak_seconds=40.0, after_seconds=80.0,
+                              down_window=20.0, interval=3.0)
+    windows = steady_windows(args)
+    assert windows == [(0.0, 40.0), (106.0, 160.0)]
+    timeline = [[0.0, 1, 1], [20.0, 2, 1], [41.0, 3, 3], [90.0, 1, 1], [110.0, 1, 1], [120.0, 2, 1]]
+    # 20 s (base phase) and 120 s (settled last phase) count; the step's own changes at 41 s and 90 s do not.
+    assert steady_changes(timeline, windows) == 2
+    assert steady_windows(argparse.Namespace(**{**vars(args), "shape": "sine"})) == []
