@@ -260,9 +260,9 @@ class EngineDataPath:
             if op == "read" and results[i][0]:
                 assert self._staging_view is not None
                 local[:length] = self._staging_view[at:at + length]
-        for (_, _, _, _, length), (ok, transport, _) in zip(moves, results, strict=True):
+        for move, (ok, transport, _) in zip(moves, results, strict=True):
             if ok:
-                self.used[transport] = self.used.get(transport, 0) + length
+                self.used[transport] = self.used.get(transport, 0) + move[4]
         return results
 
     def put(self, agent: str, conn: Connection, keys: list[str], bufs: Sequence[memoryview | DeviceRef],
@@ -357,11 +357,10 @@ class EngineDataPath:
 
     # -- the store's stream, device buffers staged through pinned host memory (tcp last) -------------
 
-    def _preferred(self, agent: str, device: int) -> str:
-        """The path a device buffer would take to ``agent`` first (for the fallback's ``preferred`` label)."""
-        remotes = self._remotes.get(agent) or {}
-        paths = {self.engine.path_of(r, device=device)[0] for r in remotes.values()}
-        return sorted(paths)[0] if len(paths) == 1 else "engine" if paths else "none"
+    def _preferred(self, agent: str) -> str:
+        """The engine's first transport to ``agent``'s segments (the fallback's ``preferred`` label)."""
+        firsts = {self.engine.route(r)[:1] for r in (self._remotes.get(agent) or {}).values()}
+        return firsts.pop()[0] if len(firsts) == 1 and () not in firsts else "none"
 
     def _staged_views(self, bufs: Sequence[memoryview | DeviceRef]) -> list[memoryview]:
         """Host views for ``bufs``: device buffers get a slice of the pinned staging area, host ones stay."""
@@ -397,7 +396,7 @@ class EngineDataPath:
         there (so a device reader is verified on this path), then one H2D per block. Returns the infos and the
         indices verified here."""
         views = self._staged_views(bufs)
-        got = conn.get_into(keys, views, flags=flags)  # type: ignore[arg-type]
+        got = conn.get_into(keys, views, flags=flags)
         verified: set[int] = set()
         staged = 0
         for j, (buf, view, info) in enumerate(zip(bufs, views, got, strict=True)):
@@ -420,7 +419,7 @@ class EngineDataPath:
         device = next((b.device for b in bufs if isinstance(b, DeviceRef)), None)
         if device is None:
             return
-        preferred = self._preferred(agent, device)
+        preferred = self._preferred(agent)
         self.engine.record_fallback(preferred, "stream", reason, staged)
         self.note_path(agent, "stream-staged", f"{reason}: the engine has no path to the agent's segments "
                                                f"(preferred {preferred}); device buffers staged through "
