@@ -152,6 +152,7 @@ class EngineDataPath:
         # lives as long as its engine; a range inside one registered earlier reuses it)
         self._device_segments: dict[tuple[int, int, int], Any] = {}
         self.paths: dict[tuple[str, str], str] = {}  # (agent, path) -> reason: logged once each
+        self.failure = ""  # why the last ``put`` returned None: "no_segments" or "engine_failed"
 
     def forget(self, agent: str) -> None:
         self._remotes.pop(agent, None)
@@ -267,7 +268,8 @@ class EngineDataPath:
 
     def put(self, agent: str, conn: Connection, keys: list[str], bufs: Sequence[memoryview | DeviceRef],
             checksums: list[int], *, tier: int, pin_seconds: int, flags: int) -> list[p.Status] | None:
-        """XALLOC, one-sided WRITEs, COMMIT; None when a transfer failed (the caller falls back)."""
+        """XALLOC, one-sided WRITEs, COMMIT; None when the engine could not (the caller falls back; ``failure``
+        says why)."""
         device = any(isinstance(b, DeviceRef) for b in bufs)
         remotes = self.remotes(agent, conn)
         reply = conn.xalloc(keys, [len(b) for b in bufs], checksums, tier=tier, pin_seconds=pin_seconds,
@@ -281,6 +283,7 @@ class EngineDataPath:
                 if remote is None:
                     conn.commit(reply.lease_id, abort=True)
                     self.forget(agent)  # the agent registered new segments: ask again next time
+                    self.failure = "no_segments"
                     return None
                 local = self._local(buf, remote)
                 moves.append(("write", remote, info.offset, local[0], len(buf), *local[1:]))
@@ -295,6 +298,7 @@ class EngineDataPath:
         if failed:
             log.warning("event=engine_put_failed agent=%s blocks=%d cause=%r", agent, len(failed), failed[0])
             conn.commit(reply.lease_id, abort=True)
+            self.failure = "engine_failed"
             return None
         committed = conn.commit(reply.lease_id, flags=flags)
         return [i.status if c.status == p.Status.OK else c.status

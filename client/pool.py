@@ -86,7 +86,10 @@ class KVPoolClient:
     certificates against this CA bundle (docs/security.md has the cost).
     ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started; an engine pod builds
     it from its contract with ``daybreak.client.datapath.engine_for_pod``) to move bytes one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
-    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
+    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``), which take per
+    agent the device link into an HBM tier, one DMA into a same-node DRAM segment, RDMA (GPUDirect where a NIC
+    shares the device's PCIe switch, else staged through pinned memory), and tcp staged last; the path each
+    agent gets is logged once (``event=datapath``; ``daybreak.client.datapath`` has the order).
     Give the engine the same credential as ``token`` (``TransferEngine(token=...)``): the agents'
     engines admit a namespace credential and check, per request, the capability the agent granted
     for that block, so no pool secret is needed on the one-sided path.
@@ -573,7 +576,7 @@ class KVPoolClient:
             got = self._datapath.put(agent, conn, keys, views, checksums, tier=1 if tier == "hbm" else 0,
                                      pin_seconds=pin_seconds, flags=flags)
             if got is None:  # a transfer failed: the stream (device buffers staged through pinned memory)
-                return staged(conn, "engine_failed") if device else tcp(conn)
+                return staged(conn, self._datapath.failure) if device else tcp(conn)
             return got
 
         def staged(conn: Connection, reason: str = "no_segments") -> list[p.Status]:
