@@ -41,6 +41,13 @@ STORE_MISSES = "daybreak_store_misses"
 STORE_BYTES_OUT = "daybreak_store_bytes_out"  # label tier
 STORE_BYTES = "daybreak_store_bytes"  # labels transport, op
 TRANSFER_FALLBACK_BYTES = "daybreak_transfer_fallback_bytes"  # labels preferred, used
+TRANSFER_FALLBACK_REASONS = "daybreak_transfer_fallback_reasons"
+"""Counter, labels ``preferred``, ``used``, ``reason``: requests that completed on a later path than their
+first, and why (``path_failed``, ``tripped``, ``unsupported``, ``staging_failed``; from the client:
+``engine_failed``, ``no_segments``). ``used`` ``stream`` is the store's own tcp stream."""
+TRANSFER_STAGED_BYTES = "daybreak_transfer_staged_bytes"
+"""Counter, label ``transport``: device bytes that went through the engine's pinned host staging (tcp, rdma
+without GPUDirect) instead of moving straight to or from device memory."""
 
 # --- The operator's counters the operator bench reads ---------------------------------------------------------
 OPERATOR_RECONCILES = "daybreak_operator_reconciles"
@@ -50,7 +57,7 @@ SHARED: frozenset[str] = frozenset({
     VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE, VLLM_TTFT, VLLM_ITL, VLLM_ITL_OLD, VLLM_E2E, VLLM_PROMPT_TOKENS,
     VLLM_PREFIX_CACHE_QUERIES, VLLM_PREFIX_CACHE_HITS, VLLM_EXTERNAL_PREFIX_CACHE_HITS, ENGINE_LOCAL_ONLY_BLOCKS,
     ENGINE_KV_BYTES, ROUTER_HELD_REQUESTS, STORE_HITS, STORE_MISSES, STORE_BYTES_OUT, STORE_BYTES,
-    TRANSFER_FALLBACK_BYTES, OPERATOR_RECONCILES, OPERATOR_APISERVER_ERRORS,
+    TRANSFER_FALLBACK_BYTES, TRANSFER_FALLBACK_REASONS, TRANSFER_STAGED_BYTES, OPERATOR_RECONCILES, OPERATOR_APISERVER_ERRORS,
 })
 """Every name above: ``tests/test_vocabulary.py`` fails when one is spelled out again elsewhere."""
 

@@ -86,7 +86,10 @@ class KVPoolClient:
     certificates against this CA bundle (docs/security.md has the cost).
     ``engine``: a transfer engine (``daybreak.agent.transfer.TransferEngine``, started; an engine pod builds
     it from its contract with ``daybreak.client.datapath.engine_for_pod``) to move bytes one-sided into the agents' registered segments (shm, link, rdma; ``daybreak.client.datapath``);
-    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``).
+    needed for device-memory buffers (objects with ``device``, ``ptr``/``address`` and ``size``), which take per
+    agent the device link into an HBM tier, one DMA into a same-node DRAM segment, RDMA (GPUDirect where a NIC
+    shares the device's PCIe switch, else staged through pinned memory), and tcp staged last; the path each
+    agent gets is logged once (``event=datapath``; ``daybreak.client.datapath`` has the order).
     Give the engine the same credential as ``token`` (``TransferEngine(token=...)``): the agents'
     engines admit a namespace credential and check, per request, the capability the agent granted
     for that block, so no pool secret is needed on the one-sided path.
@@ -307,7 +310,9 @@ class KVPoolClient:
         return [self._members[a] for a in self._live()]
 
     def close(self) -> None:
-        """Close connections and unmap shared segments."""
+        """Close connections and unmap shared segments (and unregister what the client registered with the engine)."""
+        if self._datapath is not None:
+            self._datapath.close()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
@@ -570,16 +575,20 @@ class KVPoolClient:
             assert self._datapath is not None
             got = self._datapath.put(agent, conn, keys, views, checksums, tier=1 if tier == "hbm" else 0,
                                      pin_seconds=pin_seconds, flags=flags)
-            if got is None:  # a transfer failed: the stream, unless a device buffer has no other way
-                if any(isinstance(v, DeviceRef) for v in views):
-                    return [p.Status.FULL] * len(keys)
-                return tcp(conn)
+            if got is None:  # a transfer failed: the stream (device buffers staged through pinned memory)
+                return staged(conn, self._datapath.failure) if device else tcp(conn)
             return got
 
+        def staged(conn: Connection, reason: str = "no_segments") -> list[p.Status]:
+            assert self._datapath is not None  # device buffers need an engine (_views)
+            return self._datapath.stream_put(agent, conn, keys, views, tier=1 if tier == "hbm" else 0,
+                                             pin_seconds=pin_seconds, flags=flags, reason=reason)
+
         self._connect_quietly(agent)
-        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
+        device = any(isinstance(v, DeviceRef) for v in views)
+        strategy = self._strategy(agent, device=device)
         # Shared memory reaches the DRAM tier only; HBM blocks travel through the agent or the engine.
-        statuses = self._call(agent, engine if strategy is Strategy.ENGINE else
+        statuses = self._call(agent, engine if strategy is Strategy.ENGINE else staged if device else
                               shm if self._local.get(agent) and tier == "dram" else tcp)
         if statuses is None:
             return [None] * len(keys)
@@ -631,9 +640,15 @@ class KVPoolClient:
             got = self._datapath.get(agent, conn, keys, views, flags=flags, verify=self._verify)
             return got if got is not None else tcp(conn)
 
+        def staged(conn: Connection) -> tuple[list[p.BlockInfo], set[int]]:
+            assert self._datapath is not None  # device buffers need an engine (_views)
+            return self._datapath.stream_get(agent, conn, keys, views, flags=flags, reason="no_segments")
+
         self._connect_quietly(agent)
-        strategy = self._strategy(agent, device=any(isinstance(v, DeviceRef) for v in views))
-        result = self._call(agent, engine if strategy is Strategy.ENGINE else shm if self._local.get(agent) else tcp)
+        device = any(isinstance(v, DeviceRef) for v in views)
+        strategy = self._strategy(agent, device=device)
+        result = self._call(agent, engine if strategy is Strategy.ENGINE else staged if device else
+                            shm if self._local.get(agent) else tcp)
         return None if result is None else (list(result[0]), result[1])
 
     def _strategy(self, agent: str, *, device: bool) -> Strategy:
@@ -642,9 +657,15 @@ class KVPoolClient:
             conn = self._conns.get(agent)
             if conn is not None:
                 try:
-                    return self._datapath.choose(agent, conn, device=device)
+                    strategy = self._datapath.choose(agent, conn, device=device)
                 except (OSError, p.ProtocolError, RemoteError) as exc:
                     log.info("event=engine_segments_unavailable agent=%s reason=%s", agent, exc)
+                else:
+                    if strategy is not Strategy.ENGINE:
+                        self._datapath.note_path(agent, "memcpy" if self._local.get(agent) else "stream",
+                                                 "host buffers; the engine's first route to the agent is not "
+                                                 "one-sided or not allowed")
+                    return strategy
         return Strategy.MEMCPY if self._local.get(agent) else Strategy.STREAM
 
     def _copy_all(self, copies: list[tuple[int, memoryview, memoryview, Backing, int]]) -> dict[int, int | None]:

@@ -103,6 +103,22 @@ class AcceleratorRuntime(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class HostRegistration(Protocol):
+    """Optional part of a runtime: page-lock ("pin") a host range for DMA (cuMemHostRegister, tangHostRegister).
+
+    A device-to-host or host-to-device copy into registered memory is one DMA; into pageable memory the
+    driver goes through its own pinned bounce buffer. Callers register a range ONCE (a shared-memory segment
+    when first mapped, a staging area when allocated) and never per copy: registering costs page faults
+    and a pinning walk over the whole range. ``register_host`` raises ``Unsupported`` where the device or
+    driver cannot, ``RuntimeCallError`` when the call fails (an overlapping range is an error, as in CUDA).
+    """
+
+    def register_host(self, address: int, size: int) -> None: ...
+
+    def unregister_host(self, address: int) -> None: ...
+
+
 _BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 

@@ -34,6 +34,7 @@ CUDA_LIBRARY = "libcuda.so.1"
 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 CU_POINTER_ATTRIBUTE_SYNC_MEMOPS = 6
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+CU_MEMHOSTREGISTER_PORTABLE = 1  # pinned for every context, not just the current one
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS in current drivers (H100/H200: 18 links)
 NVLINK_DEVICE_TYPE_SWITCH = 2
 
@@ -81,6 +82,9 @@ _CUDA_OPTIONAL: dict[str, list[Any]] = {
                                       ctypes.c_ulonglong],
     "cuIpcOpenMemHandle_v2": [_cu_ptr(CUdeviceptr), CUipcMemHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [CUdeviceptr],
+    # page-locking host memory for DMA (cudaHostRegister's driver call); absent: copies from pageable memory
+    "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    "cuMemHostUnregister": [ctypes.c_void_p],
 }
 
 
@@ -187,6 +191,7 @@ class NvidiaRuntime:
         self._links = links
         self._contexts: dict[int, int] = {}
         self.driver_version = driver_version
+        self.host_registrations = 0  # ranges page-locked by register_host
 
     @classmethod
     def load(cls, *, nvml_module: ModuleType | None = None, cuda_library: str = CUDA_LIBRARY) -> NvidiaRuntime:
@@ -343,6 +348,22 @@ class NvidiaRuntime:
         """Unmap a buffer from ``open_ipc_handle`` (the exporting process still owns the memory)."""
         self._use(buffer.device)
         self._cu("cuIpcCloseMemHandle", buffer.address)
+
+    def register_host(self, address: int, size: int) -> None:
+        """Page-lock ``size`` bytes at ``address`` for DMA (cuMemHostRegister, portable); once per range."""
+        if not self._cu.has("cuMemHostRegister_v2"):
+            raise Unsupported(f"{CUDA_LIBRARY} (driver {self.driver_version}) lacks cuMemHostRegister_v2")
+        if size <= 0:
+            raise ValueError(f"size: must be positive, got {size}")
+        self._use(0)  # a current context; the portable flag pins for every device
+        self._cu("cuMemHostRegister_v2", ctypes.c_void_p(address), size, CU_MEMHOSTREGISTER_PORTABLE)
+        self.host_registrations += 1
+
+    def unregister_host(self, address: int) -> None:
+        if not self._cu.has("cuMemHostUnregister"):
+            raise Unsupported(f"{CUDA_LIBRARY} (driver {self.driver_version}) lacks cuMemHostUnregister")
+        self._use(0)
+        self._cu("cuMemHostUnregister", ctypes.c_void_p(address))
 
     def export_dmabuf(self, buffer: DeviceBuffer) -> int:
         """A dma-buf fd for the whole buffer (caller closes it); Unsupported says exactly why not."""

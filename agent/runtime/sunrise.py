@@ -40,6 +40,7 @@ PHYTOPO_PORTS = 10  # entries Mooncake passes to ptmlPtlinkPhytopoDetect; ptml.h
 
 # tangMemcpyKind
 H2D, D2H, D2D = 1, 2, 3
+HOST_REGISTER_PORTABLE = 1  # as cudaHostRegisterPortable: pinned for every device, not just the current one
 PTML_ERRORS = ("PTML_SUCCESS", "PTML_ERROR_UNINITIALIZED", "PTML_ERROR_INVALID_ARGUMENT",
                "PTML_ERROR_ALREADY_INITIALIZED", "PTML_ERROR_INSUFFICIENT_SIZE", "PTML_ERROR_IN_USE",
                "PTML_ERROR_DRIVER_NOT_LOADED", "PTML_ERROR_DEVICE_NOT_FOUND", "PTML_ERROR_EVENT_TIMEOUT",
@@ -87,6 +88,9 @@ _TANG_OPTIONAL: dict[str, tuple[Any, list[Any]]] = {
     "tangIpcCloseMemHandle": (ctypes.c_int, [ctypes.c_void_p]),
     "tangDeviceGetPeerPointer": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                 ctypes.POINTER(ctypes.c_void_p)]),
+    # page-locking host memory for DMA (CUDA-like cudaHostRegister); absent: copies from pageable memory
+    "tangHostRegister": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
+    "tangHostUnregister": (ctypes.c_int, [ctypes.c_void_p]),
 }
 _PTML_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ptmlInit": (ctypes.c_int, []),
@@ -151,6 +155,7 @@ class SunriseRuntime:
         self.paths = paths
         self._devices = devices
         self._links = links
+        self.host_registrations = 0  # ranges page-locked by register_host (tests assert once, not per move)
 
     # -- loading ------------------------------------------------------------------
     @classmethod
@@ -259,6 +264,20 @@ class SunriseRuntime:
 
     def close_ipc_handle(self, buffer: DeviceBuffer) -> None:
         self._call("tangIpcCloseMemHandle", ctypes.c_void_p(buffer.address))
+
+    def register_host(self, address: int, size: int) -> None:
+        """Page-lock ``size`` bytes at ``address`` for DMA (tangHostRegister, portable flag)."""
+        if "tangHostRegister" not in self._tang:
+            raise Unsupported("libtangrt_shared.so lacks tangHostRegister")
+        if size <= 0:
+            raise ValueError(f"size: must be positive, got {size}")
+        self._call("tangHostRegister", ctypes.c_void_p(address), size, HOST_REGISTER_PORTABLE)
+        self.host_registrations += 1
+
+    def unregister_host(self, address: int) -> None:
+        if "tangHostUnregister" not in self._tang:
+            raise Unsupported("libtangrt_shared.so lacks tangHostUnregister")
+        self._call("tangHostUnregister", ctypes.c_void_p(address))
 
     def export_dmabuf(self, buffer: DeviceBuffer) -> int:
         raise Unsupported("the Tang runtime API we bind has no dma-buf export; Sunrise GDR needs a peer-memory client")

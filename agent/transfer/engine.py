@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from daybreak.agent.runtime.base import DeviceBuffer
+from daybreak.agent.runtime.base import DeviceBuffer, HostRegistration, RuntimeCallError, Unsupported
 from daybreak.agent.transfer import metrics, wire
 from daybreak.agent.transfer.batch import BatchHandle, Op, RequestResult, Status, TransferRequest
 from daybreak.agent.transfer.breaker import CircuitBreaker
@@ -35,6 +35,7 @@ from daybreak.agent.transfer.config import DEFAULT_TIMEOUT_S, EngineConfig
 from daybreak.agent.transfer.control import token_scope
 from daybreak.agent.transfer.descriptor import SegmentDescriptor
 from daybreak.agent.transfer.registry import TRANSPORTS, TransportConfig, check_names, open_transports
+from daybreak.agent.transfer.staging import StagingPool
 from daybreak.agent.transfer.transport import (
     DeviceMemory,
     Job,
@@ -43,6 +44,7 @@ from daybreak.agent.transfer.transport import (
     Transport,
     address_of,
     byte_view,
+    device_buffer,
 )
 from daybreak.pool import credentials
 from daybreak.pool.admission import Caps
@@ -178,6 +180,13 @@ class TransferEngine:
         # What transfers actually used: bytes per transport, and bytes per (preferred, used) fallback.
         self.bytes_used: dict[str, int] = {}
         self.bytes_fell_back: dict[tuple[str, str], int] = {}
+        # ... and why they fell back: bytes per (preferred, used, reason) (metrics.FALLBACK_REASONS)
+        self.fallback_reasons: dict[tuple[str, str, str], int] = {}
+        # Device bytes go through pinned host chunks only where no transport reaches device memory (tcp,
+        # rdma without GDR); host ranges are page-locked with the runtime once (address -> size).
+        self.staging = StagingPool(self)
+        self._pins: dict[int, int] = {}
+        self._pin_refused = ""
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, runtime: Any = None, topology: Any = None,
@@ -211,8 +220,11 @@ class TransferEngine:
             return
         self._closed = True
         self._monitor.stop()
+        self.staging.close()
         for transport in self._transports.values():
-            transport.close()
+            transport.close()  # shm unpins the segments it mapped before unmapping them
+        for address in list(self._pins):
+            self.unpin_host(address)
         log.info("transfer engine closed engine=%s", self.engine_id)
 
     def __enter__(self) -> TransferEngine:
@@ -240,12 +252,13 @@ class TransferEngine:
 
     # -- segments ----------------------------------------------------------------------------
     def register_segment(self, memory: ShmSegment | DeviceMemory | DeviceBuffer | Any, *,
-                         name: str | None = None) -> LocalSegment:
+                         name: str | None = None, pin: bool = False) -> LocalSegment:
         """Make ``memory`` reachable by peers; returns the segment with its ``descriptor``.
 
         ``memory`` is a ``ShmSegment`` (reachable by shm, tcp and rdma), any other writable
         host buffer (tcp and rdma), or device memory: the runtime's ``DeviceBuffer`` or a
-        ``DeviceMemory`` (link, and rdma with GDR or staging).
+        ``DeviceMemory`` (link, and rdma with GDR or staging). ``pin``: also page-lock host memory
+        for DMA with the runtime (``pin_host``), for a buffer device bytes are copied into or out of.
         """
         self._require_started()
         shm: ShmSegment | None = None
@@ -289,6 +302,8 @@ class TransferEngine:
             tcp_endpoint=self.tcp_endpoint if buffer is not None or self.runtime is not None else "",
             tcp_handle=handle,
             rdma=segment.nic_regions, device=segment.device_region)
+        if pin and buffer is not None and segment.address:
+            self.pin_host(segment.address, size)
         with self._lock:
             self._segments[segment_id] = segment
             self._by_handle[handle] = segment
@@ -306,6 +321,8 @@ class TransferEngine:
             raise KeyError(f"segment {segment_id!r} is not registered")
         for transport in self._transports.values():
             transport.unregister(found)
+        if found.address in self._pins and found.device is None:
+            self.unpin_host(found.address)
 
     def served_segment(self, handle: int) -> LocalSegment | None:
         """The local segment a peer addresses by its tcp handle."""
@@ -313,6 +330,49 @@ class TransferEngine:
 
     def local_segments(self) -> list[LocalSegment]:
         return list(self._segments.values())
+
+    # -- host memory for DMA -----------------------------------------------------------------------
+    def pin_host(self, address: int, size: int) -> bool:
+        """``TransportHost``: page-lock ``[address, address+size)`` with the runtime for DMA, once per range.
+
+        A device copy into pinned memory is one DMA; into pageable memory the driver bounces it through its
+        own buffer. False (logged once) where the runtime has no host registration or refuses the range.
+        """
+        with self._lock:
+            if address in self._pins:
+                return True
+        if self.runtime is None or not isinstance(self.runtime, HostRegistration):
+            self._pin_refused = self._pin_refused or "the runtime has no host registration"
+            return False
+        try:
+            self.runtime.register_host(address, size)
+        except (Unsupported, RuntimeCallError, ValueError) as exc:
+            if not self._pin_refused:
+                log.info("event=host_pin_unavailable engine=%s cause=%r", self.engine_id, str(exc))
+            self._pin_refused = str(exc)
+            return False
+        with self._lock:
+            self._pins[address] = size
+        return True
+
+    def unpin_host(self, address: int) -> None:
+        with self._lock:
+            found = self._pins.pop(address, None)
+        if found is not None and self.runtime is not None:
+            try:
+                self.runtime.unregister_host(address)
+            except (Unsupported, RuntimeCallError) as exc:
+                log.warning("event=host_unpin_failed engine=%s cause=%r", self.engine_id, str(exc))
+
+    @property
+    def pinned_ranges(self) -> int:
+        """Host ranges this engine page-locked and still holds (shm segments it maps, staging areas)."""
+        return len(self._pins)
+
+    @property
+    def bytes_staged(self) -> dict[str, int]:
+        """Device bytes that went through pinned host staging, per transport (none on a direct path)."""
+        return dict(self.staging.staged)
 
     # -- who may reach what ------------------------------------------------------------------------
     def require_capabilities(self, authorize: Any) -> None:
@@ -376,16 +436,18 @@ class TransferEngine:
 
     # -- routing ------------------------------------------------------------------------------
     def _chain(self, remote: RemoteSegment, *, local_device: bool) -> tuple[str, ...]:
-        """Same node: link (device memory on either side) -> shm -> tcp; other node: rdma -> tcp.
+        """Same node: link (a device segment) -> shm -> tcp; other node: rdma -> tcp.
 
-        shm and tcp reach device memory by staging it through host memory (the runtime's
-        D2H/H2D copies), so they stay in the chain as the fallbacks for link.
+        Local device memory reaches a same-node DRAM segment by shm as ONE DMA straight into the mapped
+        segment (pinned once), and a device segment by link (peer copy, CUDA IPC). Across nodes rdma moves
+        it with GPUDirect where the topology allows, else staged through the pinned staging pool; tcp is
+        last and always staged (device -> pinned host chunk -> socket).
         """
         d = remote.descriptor
         have = self._transports
         chain: list[str] = []
         if remote.same_node:
-            if "link" in have and (d.kind == "device" or local_device):
+            if "link" in have and d.kind == "device":
                 chain.append("link")
             if "shm" in have and d.shm_name:
                 chain.append("shm")
@@ -453,6 +515,65 @@ class TransferEngine:
         """A ``DeviceMemory`` for a caller that holds a raw device pointer (the client library's device buffers)."""
         return DeviceMemory(device, ptr, size)
 
+    def copy_from_device(self, dst: Any, memory: DeviceMemory) -> None:
+        """Copy ``memory`` into host buffer ``dst`` (``len(dst)`` bytes) with the runtime: a caller's own staging."""
+        if self.runtime is None:
+            raise ValueError("memory: device memory needs an engine built with runtime= (the accelerator runtime)")
+        self.runtime.copy_to_host(dst, DeviceBuffer(memory.device, memory.ptr, memory.size))
+
+    def copy_to_device(self, memory: DeviceMemory, src: Any) -> None:
+        """Copy host buffer ``src`` into the start of ``memory`` with the runtime."""
+        if self.runtime is None:
+            raise ValueError("memory: device memory needs an engine built with runtime= (the accelerator runtime)")
+        self.runtime.copy_to_device(DeviceBuffer(memory.device, memory.ptr, memory.size), src)
+
+    def record_fallback(self, preferred: str, used: str, reason: str, nbytes: int) -> None:
+        """Count ``nbytes`` that ``used`` moved instead of ``preferred``, and why (a metrics.* reason); the
+        client calls it when it takes the store's stream (``used="stream"``) after the engine could not."""
+        key = (preferred, used)
+        self.bytes_fell_back[key] = self.bytes_fell_back.get(key, 0) + nbytes
+        why = (preferred, used, reason)
+        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + nbytes
+        metrics.FALLBACK_BYTES.labels(preferred, used).inc(nbytes)
+        metrics.FALLBACK_REASONS.labels(preferred, used, reason).inc()
+
+    def path_of(self, remote: RemoteSegment, *, device: int | None, transport: str | None = None,
+                registered: bool = False) -> tuple[str, str]:
+        """The data path a request from local memory (``device``: its device index; None: host memory) to
+        ``remote`` takes on ``transport`` (default: the first of its chain), and why, as ``(path, reason)``.
+
+        Device paths: ``link`` (the peer's device segment: peer copy / CUDA IPC), ``shm-dma`` (a same-node DRAM
+        segment: one DMA into the mapped segment), ``rdma-gdr`` (a NIC under the device's PCIe switch reaches
+        device memory; ``registered``: the local range is registered with the NICs), ``rdma-staged`` (no such
+        NIC, or not registered: one pinned host buffer), ``tcp-staged``. Host memory: the transport's name.
+        """
+        chain = remote.chain if device is None else self._chain(remote, local_device=True)
+        name = transport or (chain[0] if chain else "")
+        if not name:
+            return "none", "no transport of this engine reaches the segment"
+        if device is None:
+            return name, "host memory"
+        if name == "link":
+            return "link", "same node, a device segment: peer copy over the device link (Sunrise Link / CUDA IPC)"
+        if name == "shm":
+            pinned = "pinned once" if isinstance(self.runtime, HostRegistration) else "the runtime cannot pin"
+            return "shm-dma", f"same node, a DRAM segment: one device DMA into the mapped segment ({pinned})"
+        if name == "rdma":
+            nics = self.gdr_nics(device)
+            if nics and registered:
+                return "rdma-gdr", f"device {device} and NIC {nics[0]} share a PCIe switch: GPUDirect RDMA"
+            why = (f"device {device} has no GPUDirect NIC (none under its PCIe switch)" if not nics
+                   else f"device {device}'s memory is not registered with the NICs")
+            return "rdma-staged", f"{why}: staged through pinned host memory"
+        if name == "tcp":
+            return "tcp-staged", "device memory over a socket: staged through pinned host memory"
+        return name, "device memory"
+
+    def gdr_nics(self, device: int) -> tuple[str, ...]:
+        """NICs that reach ``device``'s memory directly (GPUDirect: same PCIe switch), nearest first."""
+        rdma = self._transports.get("rdma")
+        return tuple(getattr(getattr(rdma, "view", None), "gdr", {}).get(device, ()))
+
     def _job(self, batch: BatchHandle, index: int, request: TransferRequest) -> Job:
         where = f"requests[{index}]"
         if not isinstance(request, TransferRequest):
@@ -506,14 +627,21 @@ class TransferEngine:
             while job.pos < len(job.chain):
                 name = job.chain[job.pos]
                 transport = self._transports.get(name)
-                if transport is not None and job.view is None and name in ("shm", "tcp"):
-                    self._stage(job)  # device memory over a host transport: through a bounce buffer
-                if transport is not None and self.breaker.allow((name, job.peer)) and transport.supports(job):
-                    groups.setdefault(name, []).append(job)
-                    break
+                reason = metrics.UNSUPPORTED
                 if transport is not None and not self.breaker.allow((name, job.peer)):
+                    reason = metrics.TRIPPED
                     job.errors.append(f"{name}: path tripped for "
                                       f"{self.breaker.cooldown_left((name, job.peer)):.1f}s more")
+                elif transport is not None:
+                    if job.view is None and job.local_device is not None and name == "tcp":
+                        if not self._stage(job, name):  # device memory on a socket: through a pinned chunk
+                            reason = metrics.STAGING_FAILED
+                    if transport.supports(job):
+                        groups.setdefault(name, []).append(job)
+                        break
+                    self._unstage_release(job)
+                if job.pos == 0:
+                    job.fallback_reason = reason
                 job.pos += 1
             else:
                 self._fail(job, "no transport can reach the segment" if not job.chain else "all transports failed")
@@ -527,30 +655,45 @@ class TransferEngine:
                 for job in group:
                     self.job_path_failed(job, f"{type(exc).__name__}: {exc}", transport=name)
 
-    def _stage(self, job: Job) -> None:
-        """Give a device-memory job a host bounce buffer (filled now for WRITE, copied back on READ)."""
+    def _stage(self, job: Job, transport: str) -> bool:
+        """Give a device-memory job a chunk of the pinned staging pool (filled now for WRITE, copied back to
+        the device on READ); False when the runtime copy failed."""
         if job.local_device is None or self.runtime is None:
-            return
-        bounce = bytearray(job.length)
-        device = (job.local_segment.transport_state["device_buffer"] if job.local_segment is not None
-                  else DeviceBuffer(job.local_device.device, job.local_device.ptr, job.local_device.size))
+            return True  # nothing to stage with: the transport says it cannot carry the job
+        device = device_buffer(job)
+        chunk = self.staging.take(job.length, transport=transport)
         try:
             if job.op is Op.WRITE:
-                self.runtime.copy_to_host(bounce, device, offset=job.local_offset)
+                self.runtime.copy_to_host(chunk.view, device, offset=job.local_offset)
         except Exception as exc:
-            job.errors.append(f"staging through host memory: {exc}")
-            return
-        job.view = memoryview(bounce)
-        job.bounce = device
+            self.staging.give(chunk)
+            job.errors.append(f"{transport}: staging device memory into host memory failed: {exc}")
+            return False
+        metrics.STAGED_BYTES.labels(transport).inc(job.length)
+        job.view = chunk.view
+        job.bounce = (device, chunk)
+        return True
 
     def _unstage(self, job: Job) -> str:
-        """Copy a staged READ into device memory; returns an error text or ''."""
-        if job.op is Op.READ and job.view is not None and self.runtime is not None:
+        """Copy a staged READ into device memory and return its chunk; returns an error text or ''."""
+        device, chunk = job.bounce
+        problem = ""
+        if job.op is Op.READ and self.runtime is not None:
             try:
-                self.runtime.copy_to_device(job.bounce, job.view, offset=job.local_offset)
+                self.runtime.copy_to_device(device, chunk.view, offset=job.local_offset)
             except Exception as exc:
-                return f"copy from the host bounce buffer to the device failed: {exc}"
-        return ""
+                problem = f"copy from pinned staging to the device failed: {exc}"
+        self._unstage_release(job)
+        return problem
+
+    def _unstage_release(self, job: Job) -> None:
+        """Give a staged job's chunk back: only once its transport reported the job (it touches it no more)."""
+        if job.bounce is None:
+            return
+        _, chunk = job.bounce
+        job.bounce = None
+        job.view = None
+        self.staging.give(chunk)
 
     # -- reports from transports ----------------------------------------------------------------
     def job_done(self, job: Job, *, transport: str) -> None:
@@ -565,6 +708,9 @@ class TransferEngine:
             if not self._current(job, name):
                 continue
             if job.bounce is not None:
+                if not job.pending():  # expired meanwhile: the chunk is the transport's no longer
+                    self._unstage_release(job)
+                    continue
                 problem = self._unstage(job)
                 if problem:
                     self.job_path_failed(job, problem, transport=name)
@@ -574,10 +720,9 @@ class TransferEngine:
                 slot = 1 if job.op is Op.WRITE else 0
                 nbytes[slot] += job.length
                 count[slot] += 1
-                if job.pos:  # a later transport of its chain moved it: count what fell back
-                    key = (job.chain[0], name)
-                    self.bytes_fell_back[key] = self.bytes_fell_back.get(key, 0) + job.length
-                    metrics.FALLBACK_BYTES.labels(job.chain[0], name).inc(job.length)
+                if job.pos:  # a later transport of its chain moved it: count what fell back, and why
+                    self.record_fallback(job.chain[0], name, job.fallback_reason or metrics.PATH_FAILED,
+                                         job.length)
             if job.peer != peer:
                 peer = job.peer
                 self.breaker.success((name, peer))
@@ -605,6 +750,7 @@ class TransferEngine:
         """The request itself is bad for the peer (unknown segment, range): no fallback would help."""
         if not self._current(job, transport):
             return
+        self._unstage_release(job)
         job.errors.append(f"{job.chain[job.pos]}: {cause}")
         self._fail(job, "")
 
@@ -612,6 +758,7 @@ class TransferEngine:
         """The path failed (connection, mapping, NIC): count it against the path and fall back."""
         if not self._current(job, transport):
             return
+        self._unstage_release(job)  # the transport reported: it no longer touches the chunk
         name = job.chain[job.pos]
         job.errors.append(f"{name}: {cause}")
         self.breaker.failure((name, job.peer), cause)
@@ -622,6 +769,8 @@ class TransferEngine:
             job.batch.finish(job.index, Status.TIMEOUT, transport=name,
                              error="deadline passed before the request completed; " + "; ".join(job.errors))
             return
+        if job.pos == 0:
+            job.fallback_reason = metrics.PATH_FAILED
         job.pos += 1
         if job.pos < len(job.chain):
             metrics.FALLBACKS.labels(name, job.chain[job.pos]).inc()

@@ -1,9 +1,10 @@
 """The link transport: copies on one node through the accelerator runtime (peer copy over the device link).
 
-Either side of a request may be device memory: device <-> device is the
-runtime's peer copy (``copy_device``: tangMemcpyPeer / cuMemcpyPeer, over
-Sunrise Link or NVLink where the devices are linked); host <-> device is the
-runtime's H2D/D2H copy from or into the peer's mapped /dev/shm segment. A peer
+The peer's side is device memory (an agent's HBM segment): from our device
+memory it is the runtime's peer copy (``copy_device``: tangMemcpyPeer /
+cuMemcpyPeer, over Sunrise Link or NVLink where the devices are linked), from
+host memory the runtime's H2D/D2H copy. (Our device memory into a peer's
+host /dev/shm segment is the shm transport's: one DMA into the mapping.) A peer
 process's device segment is opened from the IPC handle in its descriptor
 (``open_ipc_handle``); device indices are assumed to mean the same devices in
 both processes (same node, same visible devices).
@@ -26,8 +27,14 @@ from typing import Any
 from daybreak.agent.runtime.base import DeviceBuffer, RuntimeCallError, Unsupported
 from daybreak.agent.transfer.batch import Op
 from daybreak.agent.transfer.descriptor import DeviceRegion
-from daybreak.agent.transfer.transport import Job, LocalSegment, RemoteSegment, Transport, TransportHost
-from daybreak.pool.shm import ShmSegment
+from daybreak.agent.transfer.transport import (
+    Job,
+    LocalSegment,
+    RemoteSegment,
+    Transport,
+    TransportHost,
+    device_buffer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,6 @@ class LinkTransport(Transport):
         self.stripes = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="link-stripe")
         self.lock = threading.Lock()
         self.opened: list[DeviceBuffer] = []
-        self.mapped: list[ShmSegment] = []
 
     # -- registration ---------------------------------------------------------------------------
     def register(self, segment: LocalSegment) -> None:
@@ -68,13 +74,10 @@ class LinkTransport(Transport):
     # -- data path -----------------------------------------------------------------------------
     def supports(self, job: Job) -> bool:
         d = job.remote.descriptor
-        if not job.remote.same_node:
+        if not job.remote.same_node or d.kind != "device":
             return False
-        if d.kind == "device":
-            return (d.device is not None and d.device.runtime == self.runtime.name and bool(d.device.ipc_handle)
-                    and hasattr(self.runtime, "open_ipc_handle"))
-        # host remote: only worth it when our side is device memory and the peer's bytes are mappable
-        return job.local_device is not None and bool(d.shm_name)
+        return (d.device is not None and d.device.runtime == self.runtime.name and bool(d.device.ipc_handle)
+                and hasattr(self.runtime, "open_ipc_handle"))
 
     def start(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -96,27 +99,18 @@ class LinkTransport(Transport):
 
     def _copy(self, job: Job) -> None:
         remote = self._remote(job.remote)
-        local = self._local_device(job)
-        if isinstance(remote, DeviceBuffer):
-            if local is not None:
-                dst, src = (remote, local) if job.op is Op.WRITE else (local, remote)
-                dst_off, src_off = ((job.remote_offset, job.local_offset) if job.op is Op.WRITE
-                                    else (job.local_offset, job.remote_offset))
-                self._peer_copy(dst, src, job.length, dst_offset=dst_off, src_offset=src_off)
-            elif job.op is Op.WRITE:
-                assert job.view is not None
-                self.runtime.copy_to_device(remote, job.view, offset=job.remote_offset)
-            else:
-                assert job.view is not None
-                self.runtime.copy_to_host(job.view, remote, offset=job.remote_offset)
-            return
-        # host remote (mapped shm), device local
-        assert local is not None
-        window = remote[job.remote_offset:job.remote_offset + job.length]
-        if job.op is Op.WRITE:
-            self.runtime.copy_to_host(window, local, offset=job.local_offset)
+        local = device_buffer(job) if job.local_device is not None else None
+        if local is not None:
+            dst, src = (remote, local) if job.op is Op.WRITE else (local, remote)
+            dst_off, src_off = ((job.remote_offset, job.local_offset) if job.op is Op.WRITE
+                                else (job.local_offset, job.remote_offset))
+            self._peer_copy(dst, src, job.length, dst_offset=dst_off, src_offset=src_off)
+        elif job.op is Op.WRITE:
+            assert job.view is not None
+            self.runtime.copy_to_device(remote, job.view, offset=job.remote_offset)
         else:
-            self.runtime.copy_to_device(local, window, offset=job.local_offset)
+            assert job.view is not None
+            self.runtime.copy_to_host(job.view, remote, offset=job.remote_offset)
 
     def _peer_copy(self, dst: DeviceBuffer, src: DeviceBuffer, size: int, *, dst_offset: int, src_offset: int) -> None:
         lanes = self.lanes.get((src.device, dst.device), 1)
@@ -130,16 +124,8 @@ class LinkTransport(Transport):
         for future in futures:
             future.result()  # re-raises the first stripe's error
 
-    def _local_device(self, job: Job) -> DeviceBuffer | None:
-        if job.local_device is None:
-            return None
-        if job.local_segment is not None:
-            buffer: DeviceBuffer = job.local_segment.transport_state["device_buffer"]
-            return buffer
-        return DeviceBuffer(job.local_device.device, job.local_device.ptr, job.local_device.size)
-
-    def _remote(self, remote: RemoteSegment) -> DeviceBuffer | memoryview:
-        state = remote.transport_state.get("link")
+    def _remote(self, remote: RemoteSegment) -> DeviceBuffer:
+        state: DeviceBuffer | None = remote.transport_state.get("link")
         if state is not None:
             return state
         with self.lock:
@@ -147,17 +133,12 @@ class LinkTransport(Transport):
             if state is not None:
                 return state
             d = remote.descriptor
-            if d.kind == "device":
-                assert d.device is not None
-                opened: DeviceBuffer = self.runtime.open_ipc_handle(bytes.fromhex(d.device.ipc_handle),
-                                                                    device=d.device.device, size=d.size)
-                self.opened.append(opened)
-                remote.transport_state["link"] = opened
-                return opened
-            mapped = ShmSegment.attach(d.shm_name)
-            self.mapped.append(mapped)
-            remote.transport_state["link"] = mapped.buffer
-            return mapped.buffer
+            assert d.device is not None
+            opened: DeviceBuffer = self.runtime.open_ipc_handle(bytes.fromhex(d.device.ipc_handle),
+                                                                device=d.device.device, size=d.size)
+            self.opened.append(opened)
+            remote.transport_state["link"] = opened
+            return opened
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -166,9 +147,4 @@ class LinkTransport(Transport):
             try:
                 self.runtime.close_ipc_handle(buffer)
             except Exception:
-                pass
-        for segment in self.mapped:
-            try:
-                segment.close()
-            except BufferError:
                 pass

@@ -13,7 +13,10 @@ hardware (this project's machines have none). Shape:
   ``RDMA_CONNECT`` frame) and moves both ends INIT -> RTR -> RTS;
 - a request is cut into slices; ``paths.plan`` puts each slice on a NIC
   (host memory: round-robin over live NICs; device memory: the device's GDR
-  NICs, or staged over the device link to a device that has one); a slice
+  NICs when the device range is registered (GPUDirect: dma-buf or peer
+  memory), else staged over the device link to a device that has one, else
+  through a chunk of the engine's pinned, NIC-registered staging pool: one
+  D2H DMA per slice, no registration per move); a slice
   whose completion fails marks its queue pair dead (moved to ERR, which
   flushes the rest) and is posted again on another NIC; a request that runs
   out of NICs or attempts fails over to tcp;
@@ -45,6 +48,7 @@ from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.control import control_request
 from daybreak.agent.transfer.descriptor import NicRegion
 from daybreak.agent.transfer.paths import NoPath, Placement, SliceSpec, TopologyView, plan
+from daybreak.agent.transfer.staging import Chunk
 from daybreak.agent.transfer.transport import Job, LocalSegment, Transport, TransportHost
 from daybreak.errors import DaybreakError
 
@@ -82,7 +86,7 @@ class _Slice:
     failed: list[str] = field(default_factory=list)  # NICs that failed it
     placement: Placement | None = None
     pair: _Pair | None = None
-    staging: Any = None  # device staging buffer, when staged over the link
+    staging: Any = None  # a staging-pool chunk (host) or (device buffer, MR) over the link, while staged
 
 
 class _Nic:
@@ -365,15 +369,22 @@ class RdmaTransport(Transport):
     def supports(self, job: Job) -> bool:
         if not job.remote.descriptor.rdma or not job.remote.descriptor.tcp_endpoint:
             return False
-        local = self._local(job)
-        if local is None:
-            return False
-        return True
+        if job.view is None and job.local_device is not None and self.runtime is not None:
+            return True  # device memory: GPUDirect where registered and the topology allows, else staged
+        return self._local(job) is not None
 
     def _local(self, job: Job) -> tuple[LocalSegment, int] | None:
         """The registered segment holding the job's local bytes and the offset of byte 0 in it."""
         if job.local_segment is not None and "rdma" in job.local_segment.transport_state:
             return job.local_segment, job.local_offset
+        if job.view is None and job.local_device is not None:  # device memory registered as a segment
+            ptr, device = job.local_device.ptr + job.local_offset, job.local_device.device
+            for segment in self.host.local_segments():
+                d = segment.device
+                if d is not None and d.device == device and "rdma" in segment.transport_state \
+                        and d.ptr <= ptr and ptr + job.length <= d.ptr + d.size:
+                    return segment, ptr - d.ptr
+            return None
         if job.view is None or job.view.readonly:
             return None
         address = ctypes.addressof(ctypes.c_char.from_buffer(job.view))
@@ -421,6 +432,10 @@ class RdmaTransport(Transport):
         cursor: dict[str, int] = {}
         for placement in placements:
             s: _Slice = placement.key
+            if (s.job.local_device is not None and placement.stage_device is None and not placement.stage_host
+                    and self._local(s.job) is None):
+                # a GDR NIC, but the device range is not registered with it: stage instead of failing
+                placement = Placement(s, placement.nic, stage_host=True)
             pairs = by_nic[placement.nic]
             i = cursor.get(placement.nic, 0)
             cursor[placement.nic] = i + 1
@@ -445,16 +460,16 @@ class RdmaTransport(Transport):
         try:
             if not job.pending():
                 raise _Skip()
-            local = self._local(job)
             region = next(r for r in job.remote.descriptor.rdma if r.nic == pair.remote_nic)
-            if local is None:
-                raise RuntimeError("local memory is no longer registered")
-            segment, base = local
-            mr, mr_base = segment.transport_state["rdma"][nic.name]
-            laddr = mr_base + base + s.offset
             if s.placement is not None and (s.placement.stage_device is not None or s.placement.stage_host):
                 laddr, lkey = self._stage_out(s, nic)
             else:
+                local = self._local(job)
+                if local is None:
+                    raise RuntimeError("local memory is no longer registered")
+                segment, base = local
+                mr, mr_base = segment.transport_state["rdma"][nic.name]
+                laddr = mr_base + base + s.offset
                 lkey = int(mr.lkey)
             wr_id = next(self.ids)
             opcode = enum(v, "IBV_WR_RDMA_WRITE" if job.op is Op.WRITE else "IBV_WR_RDMA_READ")
@@ -498,7 +513,12 @@ class RdmaTransport(Transport):
         self._release(pair)
         if int(wc.status) == enum(self.verbs, "IBV_WC_SUCCESS"):
             if s.staging is not None:
-                self._stage_in(s)
+                try:
+                    self._stage_in(s)
+                except Exception as exc:  # the runtime refused the copy back: the request fails over
+                    self._free_staging(s)
+                    self._give_up(s, f"copy from staging into device memory failed: {exc}")
+                    return
             self._slice_done(s)
             return
         cause = f"{nic.name}->{pair.remote_nic}: work completion status {int(wc.status)}"
@@ -581,12 +601,21 @@ class RdmaTransport(Transport):
         job = s.job
         if self.runtime is None or job.local_device is None:
             raise RuntimeError("staging needs the accelerator runtime")
-        if placement.stage_device is not None:
-            staging = self.runtime.allocate(placement.stage_device, s.length)
-            address = int(staging.address)
-        else:
-            staging = bytearray(s.length)
-            address = ctypes.addressof(ctypes.c_char.from_buffer(staging))
+        if placement.stage_host:
+            # a chunk of the engine's staging pool: pinned and registered with every NIC when its area was made
+            chunk = self.host.staging.take(s.length, transport=self.name)
+            s.staging = chunk
+            registered = chunk.segment.transport_state.get("rdma", {}).get(nic.name)
+            if registered is None:
+                raise RuntimeError(f"the staging area is not registered with {nic.name}")
+            area_mr, area_base = registered
+            metrics.STAGED_BYTES.labels(self.name).inc(s.length)
+            if job.op is Op.WRITE:
+                self._device_copy(s, to_staging=True)
+            return area_base + chunk.offset, int(area_mr.lkey)
+        assert placement.stage_device is not None
+        staging = self.runtime.allocate(placement.stage_device, s.length)
+        address = int(staging.address)
         mr = self.verbs.mr.MR(nic.pd, s.length, self.access, address=address)
         s.staging = (staging, mr)
         if job.op is Op.WRITE:
@@ -604,14 +633,15 @@ class RdmaTransport(Transport):
         job = s.job
         assert job.local_device is not None and self.runtime is not None
         source = DeviceBuffer(job.local_device.device, job.local_device.ptr, job.local_device.size)
-        staging, _ = s.staging
         offset = job.local_offset + s.offset
-        if isinstance(staging, bytearray):
+        if isinstance(s.staging, Chunk):
             if to_staging:
-                self.runtime.copy_to_host(staging, source, offset=offset)
+                self.runtime.copy_to_host(s.staging.view, source, offset=offset)
             else:
-                self.runtime.copy_to_device(source, staging, offset=offset)
-        elif to_staging:
+                self.runtime.copy_to_device(source, s.staging.view, offset=offset)
+            return
+        staging, _ = s.staging
+        if to_staging:
             self.runtime.copy_device(staging, source, s.length, src_offset=offset)
         else:
             self.runtime.copy_device(source, staging, s.length, dst_offset=offset)
@@ -619,10 +649,14 @@ class RdmaTransport(Transport):
     def _free_staging(self, s: _Slice) -> None:
         if s.staging is None:
             return
+        if isinstance(s.staging, Chunk):
+            self.host.staging.give(s.staging)
+            s.staging = None
+            return
         staging, mr = s.staging
         s.staging = None
         _close(mr)
-        if not isinstance(staging, bytearray) and self.runtime is not None:
+        if self.runtime is not None:
             self.runtime.free(staging)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from daybreak.agent.runtime.base import DeviceBuffer
 from daybreak.agent.transfer.batch import BatchHandle, Op
 from daybreak.agent.transfer.descriptor import DeviceRegion, NicRegion, SegmentDescriptor
 from daybreak.pool.shm import ShmSegment
@@ -72,8 +73,9 @@ class RemoteSegment:
 class Job:
     """One request on its way: the resolved local view, its fallback chain and where in it it is."""
 
-    __slots__ = ("attempts", "batch", "bounce", "capability", "chain", "errors", "index", "length", "local_device",
-                 "local_offset", "local_segment", "op", "pos", "remote", "remote_offset", "state", "view")
+    __slots__ = ("attempts", "batch", "bounce", "capability", "chain", "errors", "fallback_reason", "index", "length",
+                 "local_device", "local_offset", "local_segment", "op", "pos", "remote", "remote_offset", "state",
+                 "view")
 
     def __init__(self, *, batch: BatchHandle, index: int, op: Op, remote: RemoteSegment, remote_offset: int,
                  length: int, view: memoryview | None, local_segment: LocalSegment | None, local_offset: int,
@@ -94,7 +96,8 @@ class Job:
         self.attempts = 0
         self.errors: list[str] = []
         self.state: Any = None  # scratch for the transport that holds the job
-        self.bounce: Any = None  # the device buffer behind a host bounce ``view`` (staging)
+        self.bounce: Any = None  # (device buffer, staging chunk) behind a staged host ``view`` (tcp)
+        self.fallback_reason = ""  # why the job left the first transport of its chain (FALLBACK_REASONS)
 
     @property
     def transport(self) -> str:
@@ -106,6 +109,15 @@ class Job:
 
     def pending(self) -> bool:
         return self.batch.is_pending(self.index)
+
+
+def device_buffer(job: Job) -> DeviceBuffer:
+    """The runtime's buffer for a job whose local side is device memory (a registered segment's own, or a view)."""
+    assert job.local_device is not None
+    if job.local_segment is not None and "device_buffer" in job.local_segment.transport_state:
+        buffer: DeviceBuffer = job.local_segment.transport_state["device_buffer"]
+        return buffer
+    return DeviceBuffer(job.local_device.device, job.local_device.ptr, job.local_device.size)
 
 
 def address_of(buffer: memoryview) -> int:
@@ -173,6 +185,17 @@ class TransportHost(Completion, Protocol):
     def runtime(self) -> Any:
         """The accelerator runtime for device segments (staging copies), or None."""
         ...
+
+    @property
+    def staging(self) -> Any:
+        """The engine's ``staging.StagingPool``: pinned, NIC-registered host chunks for staged device bytes."""
+        ...
+
+    def pin_host(self, address: int, size: int) -> bool:
+        """Page-lock a host range for DMA with the runtime, once; False where the runtime cannot."""
+        ...
+
+    def unpin_host(self, address: int) -> None: ...
 
     def served_segment(self, handle: int) -> LocalSegment | None:
         """The local segment a peer addresses by its tcp handle."""

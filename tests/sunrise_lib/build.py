@@ -33,3 +33,15 @@ def node(bus_ids: list[str], *, links: list[list[int]] | None = None, memory_byt
         "links": links or [],
     }
     return json.dumps(config)
+
+
+def counters(lib_dir: Path | str) -> dict[str, int]:
+    """What this process's loaded stand-in Tang library counted (``fakeTangCounters``, a test hook): host
+    registrations, H2D/D2H copies whose host side was registered (``pinned``) or not (``pageable``), and bytes."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(Path(lib_dir) / "libtangrt_shared.so"))  # the handle the runtime already opened
+    out = (ctypes.c_ulonglong * 5)()
+    lib.fakeTangCounters(out)
+    return dict(zip(("registrations", "pinned_copies", "pageable_copies", "pinned_bytes", "pageable_bytes"),
+                    (int(v) for v in out), strict=True))

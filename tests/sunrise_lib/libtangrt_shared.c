@@ -78,6 +78,16 @@ static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
 static alloc_t allocs[MAX_ALLOCS];
 static __thread int current_device;
 
+/* Host ranges page-locked with tangHostRegister, and what the copies saw: a test asserts that a device
+ * buffer moved straight into registered (pinned) memory, never through a pageable intermediate. */
+#define MAX_HOST_REGS 256
+typedef struct {
+    char *base;
+    size_t size;
+} host_reg_t;
+static host_reg_t host_regs[MAX_HOST_REGS];
+static unsigned long long n_registrations, n_pinned_copies, n_pageable_copies, n_pinned_bytes, n_pageable_bytes;
+
 #define INJECT(name)                      \
     do {                                  \
         int injected_ = fake_fail(name);  \
@@ -264,6 +274,85 @@ tangError_t tangPointerGetAttributes(tangPointerAttributes *attr, const void *pt
     return tangSuccess;
 }
 
+/* Registered host memory holding [p, p+n)?  Caller holds alloc_lock. */
+static int host_registered(const void *p, size_t n) {
+    int i;
+    const char *c = p;
+    for (i = 0; i < MAX_HOST_REGS; i++)
+        if (host_regs[i].base && c >= host_regs[i].base && c + n <= host_regs[i].base + host_regs[i].size) return 1;
+    return 0;
+}
+
+#define tangErrorHostMemoryAlreadyRegistered 712
+#define tangErrorHostMemoryNotRegistered 713
+
+tangError_t tangHostRegister(void *ptr, size_t size, unsigned int flags) {
+    int i, slot = -1;
+    char *c = ptr;
+    (void)flags;
+    INJECT("tangHostRegister");
+    if (!ptr || size == 0) return tangErrorInvalidValue;
+    if (find_alloc(ptr, 1, NULL) == 0) return tangErrorInvalidValue; /* device memory is not host memory */
+    pthread_mutex_lock(&alloc_lock);
+    for (i = 0; i < MAX_HOST_REGS; i++) {
+        host_reg_t *r = &host_regs[i];
+        if (r->base && c < r->base + r->size && r->base < c + size) { /* overlaps: CUDA's error 712 */
+            pthread_mutex_unlock(&alloc_lock);
+            return tangErrorHostMemoryAlreadyRegistered;
+        }
+        if (!r->base && slot < 0) slot = i;
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&alloc_lock);
+        return tangErrorMemoryAllocation;
+    }
+    host_regs[slot].base = c;
+    host_regs[slot].size = size;
+    n_registrations++;
+    pthread_mutex_unlock(&alloc_lock);
+    return tangSuccess;
+}
+
+tangError_t tangHostUnregister(void *ptr) {
+    int i;
+    INJECT("tangHostUnregister");
+    pthread_mutex_lock(&alloc_lock);
+    for (i = 0; i < MAX_HOST_REGS; i++) {
+        if (host_regs[i].base == ptr) {
+            host_regs[i].base = NULL;
+            host_regs[i].size = 0;
+            pthread_mutex_unlock(&alloc_lock);
+            return tangSuccess;
+        }
+    }
+    pthread_mutex_unlock(&alloc_lock);
+    return tangErrorHostMemoryNotRegistered;
+}
+
+/* Test hook (not a Tang API): registrations made, H2D/D2H copies whose host side was registered or pageable,
+ * and their bytes. */
+void fakeTangCounters(unsigned long long out[5]) {
+    pthread_mutex_lock(&alloc_lock);
+    out[0] = n_registrations;
+    out[1] = n_pinned_copies;
+    out[2] = n_pageable_copies;
+    out[3] = n_pinned_bytes;
+    out[4] = n_pageable_bytes;
+    pthread_mutex_unlock(&alloc_lock);
+}
+
+static void count_host_copy(const void *host, size_t n) {
+    pthread_mutex_lock(&alloc_lock);
+    if (host_registered(host, n)) {
+        n_pinned_copies++;
+        n_pinned_bytes += n;
+    } else {
+        n_pageable_copies++;
+        n_pageable_bytes += n;
+    }
+    pthread_mutex_unlock(&alloc_lock);
+}
+
 tangError_t tangMemcpy(void *dst, const void *src, size_t count, tangMemcpyKind kind) {
     int dst_dev = find_alloc(dst, count, NULL) == 0;
     int src_dev = find_alloc(src, count, NULL) == 0;
@@ -286,6 +375,8 @@ tangError_t tangMemcpy(void *dst, const void *src, size_t count, tangMemcpyKind 
     default:
         return tangErrorInvalidMemcpyDirection;
     }
+    if (kind == tangMemcpyHostToDevice) count_host_copy(src, count);
+    if (kind == tangMemcpyDeviceToHost) count_host_copy(dst, count);
     memmove(dst, src, count);
     return tangSuccess;
 }
