@@ -4,7 +4,7 @@ Run it from a bare checkout on a lent GPU machine (python3 with numpy and torch 
 registry; what else it imports comes from wheels in .whl/: ``python3 hack/linktree.py --wheels 3.X``
 elsewhere, then carry .whl/ along)::
 
-    python3 hack/gpu_check.py          # one H200: about 2 minutes; the JSON summary is the last line
+    python3 hack/gpu_check.py          # one H200: expected 2-3 minutes (not run yet); the JSON summary is last
     python3 hack/gpu_check.py --cpu    # the same code on the Sunrise stand-in (tests/sunrise_lib, needs gcc)
 
 What it does, in order:
@@ -98,14 +98,15 @@ class Plan:
         return self.layers * self.blocks * 2 * piece_kib * 1024
 
     def tier_bytes(self) -> int:
-        """What one tier must hold with room to spare (nothing may be evicted before B reads it): every round of
-        every piece size, the pipelined steps' rounds (two variants) of the first."""
-        held = sum(self.rounds * self.batch_bytes(p) for p in self.pieces_kib)
-        held += 2 * self.rounds * self.batch_bytes(self.pieces_kib[0])
+        """What one tier must hold with room to spare (nothing may be evicted before B reads it): A keeps the
+        last round of each piece size and of each pipelined variant (two) and removes the others, so at most one
+        more batch is there at a time."""
+        held = sum(self.batch_bytes(p) for p in self.pieces_kib) + max(self.batch_bytes(p) for p in self.pieces_kib)
+        held += 2 * self.batch_bytes(self.pieces_kib[0])
         return held * 3 // 2 + self.slack_mib * MiB
 
 
-GPU_PLAN = Plan(layers=8, kv_heads=8, head_size=128, blocks=8, pieces_kib=(2048, 8192), rounds=3)
+GPU_PLAN = Plan(layers=8, kv_heads=8, head_size=128, blocks=4, pieces_kib=(2048, 8192), rounds=3)
 CPU_PLAN = Plan(layers=2, kv_heads=2, head_size=64, blocks=2, pieces_kib=(64, 256), rounds=2, slack_mib=16)
 
 
@@ -436,8 +437,9 @@ def role_save(spec: dict[str, Any]) -> dict[str, Any]:
             for tier in plan.tiers:
                 cache = Cache(memory, plan, piece, fill=True, engine=pod.engine, tier=tier)
                 try:
-                    rounds, best = [], float("inf")
-                    for _ in range(plan.rounds):
+                    hashes, best = [], float("inf")
+                    for _ in range(plan.rounds):  # new keys every round: a put of stored keys is no put
+                        _drop(client, cache, hashes)
                         hashes = _hashes(plan.blocks)
                         memory.synchronize()
                         started = time.perf_counter()
@@ -446,11 +448,10 @@ def role_save(spec: dict[str, Any]) -> dict[str, Any]:
                         if moved.error or moved.done != moved.keys:
                             raise RuntimeError(f"save of {piece} KiB pieces to {tier}: {moved.done}/{moved.keys} "
                                                f"keys stored {moved.error}")
-                        rounds.append(hashes)
                         best = min(best, seconds)
                     out["configs"].append({"tier": tier, "piece_bytes": piece * 1024, "bytes": nbytes,
                                            "keys": moved.keys, "save_gb_per_s": _gbps(nbytes, best),
-                                           "d2h_gb_per_s": round(d2h, 3), "rounds": rounds,
+                                           "d2h_gb_per_s": round(d2h, 3), "hashes": hashes,
                                            "digest": cache.digest(blocks)})
                     if piece == plan.pieces_kib[0]:
                         out["pipeline"] += _pipelined_saves(memory, plan, cache, client, blocks, tier=tier,
@@ -479,6 +480,7 @@ def _pipelined_saves(memory: Any, plan: Plan, cache: Cache, client: Any, blocks:
         try:
             best, hashes = float("inf"), []
             for _ in range(plan.rounds):
+                _drop(client, cache, hashes)
                 hashes = _hashes(plan.blocks)
                 best = min(best, _step(memory, cache, patterns, reps, pipeline=pipeline,
                                        transfers=_transfers(hashes, blocks), side=side))
@@ -491,6 +493,15 @@ def _pipelined_saves(memory: Any, plan: Plan, cache: Cache, client: Any, blocks:
                         "hidden": _hidden(plain, best, per_layer * plan.layers),
                         "hashes": hashes, "digest": cache.digest(blocks)})  # the last step's bytes
     return results
+
+
+def _drop(client: Any, cache: Cache, hashes: Sequence[str]) -> None:
+    """Remove an earlier round's blocks (B reads only the last round's): the tiers stay small."""
+    from daybreak.connectors.blocks import block_keys
+
+    if hashes:
+        client.remove(block_keys(cache.layout.fingerprint(), [bytes.fromhex(h) for h in hashes], cache.views.num_layers,
+                                 cache.views.pieces_per_layer))
 
 
 # -- process B: loads -------------------------------------------------------------------------------------------
@@ -512,10 +523,10 @@ def role_load(spec: dict[str, Any]) -> dict[str, Any]:
             cache = Cache(memory, plan, piece, fill=False, engine=pod.engine, tier=config["tier"])
             try:
                 best, failed = float("inf"), 0
-                for hashes in config["rounds"]:
+                for _ in range(plan.rounds):  # the same keys every round: reads leave them in place
                     memory.synchronize()
                     started = time.perf_counter()
-                    moved = cache.mover.load(client, _transfers(hashes, blocks))
+                    moved = cache.mover.load(client, _transfers(config["hashes"], blocks))
                     best = min(best, time.perf_counter() - started)
                     failed += len(moved.failed)
                 exact = failed == 0 and cache.digest(blocks) == config["digest"]
@@ -527,7 +538,7 @@ def role_load(spec: dict[str, Any]) -> dict[str, Any]:
                         moved = cache.mover.load(client, _transfers(variant["hashes"], blocks))
                         out["pipelined_saves_exact"].append(not moved.failed and
                                                             cache.digest(blocks) == variant["digest"])
-                    out["pipeline"] = _pipelined_loads(memory, plan, cache, client, blocks, config["rounds"],
+                    out["pipeline"] = _pipelined_loads(memory, plan, cache, client, blocks, config["hashes"],
                                                        per_layer=best / plan.layers,
                                                        sync=memory.layer_sync(),
                                                        pipeline_type=LayerPipeline)
@@ -542,12 +553,12 @@ def role_load(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _pipelined_loads(memory: Any, plan: Plan, cache: Cache, client: Any, blocks: list[int], rounds: list[list[str]],
+def _pipelined_loads(memory: Any, plan: Plan, cache: Cache, client: Any, blocks: list[int], hashes: list[str],
                      *, per_layer: float, sync: Any, pipeline_type: Any) -> dict[str, Any]:
     """Step time with and without loading each layer right before its kernel (``wait_for_layer_load``)."""
     reps = max(1, round(per_layer * plan.compute_ratio / memory.seconds_per_rep()))
 
-    def step(pipeline: Any = None, hashes: Sequence[str] = ()) -> float:
+    def step(pipeline: Any = None) -> float:
         memory.synchronize()
         started = time.perf_counter()
         if pipeline is not None:
@@ -564,7 +575,7 @@ def _pipelined_loads(memory: Any, plan: Plan, cache: Cache, client: Any, blocks:
     plain = min(step() for _ in range(plan.rounds))
     pipeline = pipeline_type(cache.mover, client, sync=sync)
     try:
-        best = min(step(pipeline, hashes) for hashes in rounds)
+        best = min(step(pipeline) for _ in range(plan.rounds))
     finally:
         pipeline.close()
     return {"kernel_reps_per_layer": reps, "step_seconds": round(plain, 6), "step_with_loads_seconds": round(best, 6),
