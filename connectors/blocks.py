@@ -24,6 +24,16 @@ layout the engine really has (platform, KVCacheLayout, page geometry, block
 size, dtype, tensor-parallel rank), so engines whose blocks are not
 byte-compatible (CPU and GPU, or two layouts) never read each other's bytes even
 if they were given the same namespace.
+
+Memory. KV tensors in host memory move as memoryviews of their pieces; KV
+tensors in device memory (``cuda:N``, a Sunrise device) as ``DeviceRef``s of the
+same pieces, which the pool client moves through its transfer engine (the
+device link into an agent's HBM tier, a DMA into its DRAM segment, GPUDirect
+rdma), one scatter-gather batch per step and layer, never through a staging copy
+on the engine's side. ``pod_engine`` builds that engine in an engine pod and
+``require_device_path`` refuses device memory it cannot move. ``LayerPipeline``
+runs the moves layer by layer on one I/O thread, ordered against the forward
+pass on the device by a ``LayerSync`` (CUDA streams and events through torch).
 """
 
 from __future__ import annotations
@@ -34,11 +44,14 @@ import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from daybreak.api.enginepod import EnginePodEnv, EnginePodEnvError
 from daybreak.api.kvcompat import KVDtype, KVLayout, KVPlatform
+from daybreak.client.datapath import DeviceRef
 from daybreak.client.env import read_pool_token
 from daybreak.errors import DaybreakError
 
@@ -137,6 +150,17 @@ class PoolSettings:
                                        "or DAYBREAK_POOL_ENDPOINTS")
         return cls(endpoints=endpoints, token=token, namespace=namespace, layout=layout, pool_ref=pool_ref,
                    transports=tuple(pod.transports))
+
+
+def save_tier(raw: Any) -> Literal["dram", "hbm"]:
+    """``kv_connector_extra_config.tier``: where saved blocks live, ``dram`` (default) or ``hbm`` (agents'
+    device-memory tier; blocks from device KV caches reach it over the device link)."""
+    value = str(raw or "dram").strip().lower()
+    if value == "dram":
+        return "dram"
+    if value == "hbm":
+        return "hbm"
+    raise ConnectorConfigError(f"tier must be 'dram' or 'hbm', got {raw!r}")
 
 
 def _endpoints(raw: Any) -> tuple[str, ...]:
@@ -267,11 +291,19 @@ class EngineLayout:
     """C of a page: bytes per (head slot, token) cell; K and V side by side, ``(head + head_v) * dtype size``."""
     tp_rank: int = 0
     tp_size: int = 1
+    kv_split: bool = False
+    """K and V in two planes of each layer's own tensor instead of side by side in C: FlashAttention's
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (``layer_region`` takes that shape). A block is then
+    its K pieces and its V pieces a plane apart (two pieces per layer in ``LBNHC``); ``kv_layout`` orders each
+    plane's ``B, H, N`` dims (its ``L`` is moot: every layer is its own tensor)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
             raise ConnectorConfigError(f"KV cache dtype {self.dtype} is not supported by the Daybreak connector")
         layout_order(self.kv_layout)
+        if self.kv_split and self.content_bytes % 2:
+            raise ConnectorConfigError(f"K/V split layout with {self.content_bytes} content bytes per cell: K and V "
+                                       "halves must be the same size")
 
     @property
     def itemsize(self) -> int:
@@ -283,8 +315,17 @@ class EngineLayout:
         vLLM lays the five dims out contiguous in the layout's order (pages
         unpadded), then views each layer: so with L inside B (BLHNC) a block
         holds every layer's page, and with H outside B (LHBNC) a block's head
-        slots lie a whole plane apart.
+        slots lie a whole plane apart. With ``kv_split`` the view is
+        ``[2, B, H, N, C/2]``: the K plane, then the V plane, of one layer's tensor.
         """
+        if self.kv_split:
+            page = (num_blocks, self.head_slots, self.block_tokens, self.content_bytes // 2)
+            strides = [0] * 4
+            step = 1
+            for dim in reversed([d - 1 for d in layout_order(self.kv_layout) if d != _LAYER]):
+                strides[dim] = step
+                step *= page[dim]
+            return (2, *page), (step, *strides)
         shape = (self.num_layers, num_blocks, self.head_slots, self.block_tokens, self.content_bytes)
         strides = [0] * len(shape)
         step = 1
@@ -293,6 +334,11 @@ class EngineLayout:
             step *= shape[dim]
         return shape[1:], tuple(strides[1:])
 
+    @property
+    def block_dim(self) -> int:
+        """The block dim of ``layer_view`` (1 behind the K/V plane dim of a split layout)."""
+        return 1 if self.kv_split else 0
+
     def regions(self, *, num_blocks: int = _SAMPLE_BLOCKS) -> BlockRegions:
         """One block's pieces in one layer's view of ``num_blocks`` blocks (in bytes).
 
@@ -300,7 +346,7 @@ class EngineLayout:
         would look adjacent and merge into one piece.
         """
         shape, strides = self.layer_view(num_blocks=num_blocks)
-        return block_regions(shape, strides, block_dim=0, itemsize=1)
+        return block_regions(shape, strides, block_dim=self.block_dim, itemsize=1)
 
     @property
     def regions_per_layer(self) -> int:
@@ -314,7 +360,10 @@ class EngineLayout:
 
     def fingerprint(self) -> str:
         """12 hex digits over everything that fixes the meaning of a block's bytes."""
-        body = json.dumps({"engine": "vllm", **self.__dict__}, sort_keys=True, separators=(",", ":"))
+        fields = dict(self.__dict__)
+        if not fields["kv_split"]:
+            del fields["kv_split"]  # added later: unset, it leaves the keys engines already wrote unchanged
+        body = json.dumps({"engine": "vllm", **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
@@ -456,69 +505,147 @@ class LayerRegion:
     num_blocks: int
     block_bytes: int
     pieces: BlockRegions | None = None
+    device: int | None = None
+    """The accelerator (its runtime's ordinal) whose memory ``address`` is in; None: host memory."""
 
     @property
     def layout(self) -> BlockRegions:
         return self.pieces or BlockRegions(regions=((0, self.block_bytes),), block_stride=self.block_bytes)
 
 
-def require_host_memory(name: str, device: str) -> None:
-    """Refuse a KV cache outside host memory (``device``: torch's ``tensor.device``, ``cpu`` or ``cuda:0``...)."""
-    if device != "cpu":
+# -- where the KV cache lives, and what moves device memory -------------------------------------------
+
+RUNTIME_FOR_DEVICE = {"cuda": "nvidia", "sunrise": "sunrise"}
+"""torch's device type -> the ``daybreak.agent.runtime`` runtime that copies, exports and registers its memory."""
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """Where a layer's KV tensor lives: host memory, or device ``index`` of an accelerator platform."""
+
+    platform: str
+    """torch's device type: ``cpu``, ``cuda``, ``sunrise``..."""
+    index: int | None = None
+
+    @classmethod
+    def parse(cls, device: str) -> KVMemory:
+        """From torch's ``str(tensor.device)``: ``cpu``, ``cuda:0``..."""
+        kind, _, index = device.partition(":")
+        if kind == "cpu":
+            return cls("cpu")
+        if not index.isdigit():
+            raise ConnectorConfigError(f"KV cache device {device!r} names no device index (expected TYPE:N)")
+        return cls(kind, int(index))
+
+    @property
+    def on_device(self) -> bool:
+        return self.platform != "cpu"
+
+    def __str__(self) -> str:
+        return self.platform if self.index is None else f"{self.platform}:{self.index}"
+
+
+def require_device_path(name: str, memory: KVMemory, engine: Any, *, missing: str = "") -> int | None:
+    """The device ordinal a layer's KV moves from, or None for host memory; refused when nothing can move it.
+
+    Device memory moves only through a transfer engine (``KVPoolClient(engine=...)``) that holds
+    the runtime of the tensor's platform (``RUNTIME_FOR_DEVICE``) and sees its device. ``missing``:
+    why the caller has no such engine (a runtime that did not load), put into the error.
+    """
+    if not memory.on_device:
+        return None
+    wanted = RUNTIME_FOR_DEVICE.get(memory.platform)
+    where = f"layer {name}: KV cache is in {memory} memory"
+    if wanted is None:
+        raise ConnectorConfigError(f"{where}, which no Daybreak runtime drives (device types with one: "
+                                   f"{', '.join(f'{k} ({v})' for k, v in RUNTIME_FOR_DEVICE.items())})")
+    runtime = getattr(engine, "runtime", None) if engine is not None else None
+    if engine is None or runtime is None or getattr(runtime, "name", "") != wanted:
+        have = ("the pool client has no transfer engine" if engine is None else
+                f"the pool client's transfer engine has {'no' if runtime is None else 'the ' + runtime.name} "
+                "runtime")
         raise ConnectorConfigError(
-            f"layer {name}: KV cache is in {device} memory; the Daybreak connector moves KV caches in host "
-            "memory only for now (device memory needs the client's device-buffer support, which is not built "
-            "yet: docs/engines.md)")
+            f"{where}, which moves only through a transfer engine with the {wanted} runtime, and {have}"
+            + (f" ({missing})" if missing else "")
+            + f": run on a node where the {wanted} runtime loads (daybreak selfcheck names what it lacks), "
+            "or pass KVPoolClient(engine=engine_for_pod(..., runtime=...))")
+    devices = {d.index for d in runtime.devices()}
+    if memory.index not in devices:
+        raise ConnectorConfigError(f"{where}, but the {wanted} runtime sees devices {sorted(devices)} only "
+                                   "(CUDA_VISIBLE_DEVICES differs between the engine and its runtime?)")
+    return memory.index
+
+
+# Dim names of a layer's view for the errors: [B, H, N, C], or [K/V, B, H, N, C] for a split layout.
+_VIEW_DIMS = "BHNC"
+_SPLIT_DIMS = "KBHNC"
 
 
 def layer_region(name: str, *, address: int, shape: Sequence[int], strides: Sequence[int], itemsize: int,
-                 layout: EngineLayout, num_blocks: int | None = None) -> LayerRegion:
-    """One layer's registered ``[B, H, N, C]`` KV tensor as pieces of blocks; refused unless it holds ``layout``.
+                 layout: EngineLayout, num_blocks: int | None = None, device: int | None = None) -> LayerRegion:
+    """One layer's registered KV tensor as pieces of blocks; refused unless it holds ``layout``.
 
-    ``shape`` and ``strides`` (elements of ``itemsize`` bytes) are the tensor's own.
-    It must have the layout's page sizes, lay its dims out in memory in the
-    layout's order (dims of size 1 aside) and cut a block into the same pieces;
-    how far apart blocks are (padding, layers interleaved) is free. ``num_blocks``:
-    vLLM's block count, which the tensor's B must equal (kernel blocks that split
-    vLLM's blocks are not supported).
+    ``shape`` and ``strides`` (elements of ``itemsize`` bytes) are the tensor's own:
+    vLLM's ``[B, H, N, C]`` page view, or for a ``kv_split`` layout FlashAttention's
+    ``[2, B, N, H, D]`` (K plane, V plane). It must have the layout's page sizes, lay
+    its dims out in memory in the layout's order (dims of size 1 aside; the K/V
+    plane outermost) and cut a block into the same pieces; how far apart blocks
+    are (padding, layers interleaved) is free. ``num_blocks``: vLLM's block count,
+    which the tensor's B must equal (kernel blocks that split vLLM's blocks are not
+    supported). ``device``: the accelerator ordinal when the tensor is in device
+    memory (``require_device_path``).
     """
     shape, strides = tuple(shape), tuple(strides)
     where = f"layer {name}: KV cache {shape} with strides {strides}"
-    if len(shape) != 4 or strides[3] != 1:
+    lead = 1 if layout.kv_split else 0
+    if layout.kv_split:
+        if len(shape) != 5 or shape[0] != 2 or strides[4] != 1:
+            raise ConnectorConfigError(f"{where} is not FlashAttention's [2, B, N, H, D] K/V tensor with D innermost "
+                                       f"(the layout {layout.kv_layout} with K and V split)")
+        # FlashAttention's [2, B, N, H, D] as the [2, B, H, N, C] view the layout's order speaks of
+        shape = (shape[0], shape[1], shape[3], shape[2], shape[4])
+        strides = (strides[0], strides[1], strides[3], strides[2], strides[4])
+    elif len(shape) != 4 or strides[3] != 1:
         raise ConnectorConfigError(f"{where} is not vLLM's [B, H, N, C] page view with C innermost")
     if itemsize != layout.itemsize:
         raise ConnectorConfigError(f"{where} has {itemsize}-byte elements, not {layout.dtype}")
-    want = (layout.head_slots, layout.block_tokens, layout.content_bytes)
-    have = (shape[1], shape[2], shape[3] * itemsize)
+    content = layout.content_bytes // (2 if layout.kv_split else 1)
+    want = (layout.head_slots, layout.block_tokens, content)
+    have = (shape[lead + 1], shape[lead + 2], shape[lead + 3] * itemsize)
     if have != want:
         raise ConnectorConfigError(f"{where} has pages of {have[0]} head slots x {have[1]} tokens x {have[2]} bytes, "
                                    f"not {want[0]} x {want[1]} x {want[2]} as the model's KV spec says")
-    if num_blocks is not None and shape[0] != num_blocks:
-        raise ConnectorConfigError(f"{where} has {shape[0]} blocks, vLLM's block table {num_blocks}: kernel blocks "
-                                   f"split vLLM's blocks, which the connector does not support (start vLLM with "
-                                   f"--block-size {shape[2]})")
-    byte_strides = (*(s * itemsize for s in strides[:3]), 1)
-    byte_shape = (*shape[:3], shape[3] * itemsize)
-    order = [d - 1 for d in layout_order(layout.kv_layout) if d != _LAYER]  # the view's dims in memory order
+    if num_blocks is not None and shape[lead] != num_blocks:
+        raise ConnectorConfigError(f"{where} has {shape[lead]} blocks, vLLM's block table {num_blocks}: kernel "
+                                   f"blocks split vLLM's blocks, which the connector does not support (start vLLM "
+                                   f"with --block-size {shape[lead + 2]})")
+    byte_strides = (*(s * itemsize for s in strides[:-1]), 1)
+    byte_shape = (*shape[:-1], shape[-1] * itemsize)
+    # the view's dims in memory order: the K/V plane first, then the layout's order without L
+    order = [0] * lead + [d - 1 + lead for d in layout_order(layout.kv_layout) if d != _LAYER]
     expected = [d for d in order if byte_shape[d] != 1]
-    actual = sorted((d for d in range(4) if byte_shape[d] != 1), key=lambda d: byte_strides[d], reverse=True)
+    actual = sorted((d for d in range(len(shape)) if byte_shape[d] != 1), key=lambda d: byte_strides[d], reverse=True)
     if actual != expected:
+        names = _SPLIT_DIMS if layout.kv_split else _VIEW_DIMS
         raise ConnectorConfigError(
-            f"{where} lays its dims out as {''.join(KV_DIMS[d + 1] for d in actual)} in memory, not as the layout "
-            f"{layout.kv_layout} the keys' fingerprint names")
-    pieces = block_regions(byte_shape, byte_strides, block_dim=0, itemsize=1)
+            f"{where} lays its dims out as {''.join(names[d] for d in actual)} in memory, not as the layout "
+            f"{layout.kv_layout}{' with K and V split' if layout.kv_split else ''} the keys' fingerprint names")
+    pieces = block_regions(byte_shape, byte_strides, block_dim=lead, itemsize=1)
     if pieces.lengths != layout.regions().lengths:
         raise ConnectorConfigError(f"{where} cuts a block into pieces of {list(pieces.lengths)} bytes, not "
                                    f"{list(layout.regions().lengths)} as {layout.kv_layout} does")
-    return LayerRegion(address=address, num_blocks=shape[0], block_bytes=pieces.block_bytes, pieces=pieces)
+    return LayerRegion(address=address, num_blocks=shape[lead], block_bytes=pieces.block_bytes, pieces=pieces,
+                       device=device)
 
 
 class BlockViews:
-    """Writable memoryviews of the pieces of single blocks inside the registered KV tensors (no copies).
+    """The pieces of single blocks inside the registered KV tensors, as buffers the pool client moves (no copies).
 
-    The tensors must stay alive (vLLM owns them for the engine's lifetime);
-    ``register_kv_caches`` checks each one's layout before building this. Every
-    layer must split a block into the same pieces (one key each).
+    Host memory: writable memoryviews. Device memory: ``DeviceRef(device, address, length)`` of
+    each piece, which the client moves through its transfer engine (link, GPUDirect rdma, DMA into
+    the agent's segment), never through a staging copy here. The tensors must stay alive (vLLM owns
+    them for the engine's lifetime); ``register_kv_caches`` checks each one's layout before building
+    this. Every layer must split a block into the same pieces (one key each).
     """
 
     def __init__(self, regions: Sequence[LayerRegion]) -> None:
@@ -528,7 +655,8 @@ class BlockViews:
         lengths = {r.layout.lengths for r in self.regions}
         if len(lengths) != 1:
             raise ValueError(f"KV cache layers split a block differently: {sorted(lengths)}")
-        self._views = [memoryview((ctypes.c_ubyte * r.layout.extent(r.num_blocks)).from_address(r.address)).cast("B")
+        self._views = [None if r.device is not None else
+                       memoryview((ctypes.c_ubyte * r.layout.extent(r.num_blocks)).from_address(r.address)).cast("B")
                        for r in self.regions]
 
     @property
@@ -540,24 +668,36 @@ class BlockViews:
         """Pieces (pool keys) per block and layer."""
         return len(self.regions[0].layout.regions)
 
-    def views(self, block_ids: Sequence[int], *, layers: Sequence[int] | None = None) -> list[memoryview]:
-        """Block-major views: every piece of every layer (or of ``layers``) of ``block_ids[0]``, then ``[1]``..."""
+    @property
+    def on_device(self) -> bool:
+        """Whether the KV tensors are in device memory (the views are DeviceRefs)."""
+        return any(r.device is not None for r in self.regions)
+
+    def views(self, block_ids: Sequence[int], *,
+              layers: Sequence[int] | None = None) -> list[memoryview | DeviceRef]:
+        """Block-major pieces: every piece of every layer (or of ``layers``) of ``block_ids[0]``, then ``[1]``..."""
         chosen = range(self.num_layers) if layers is None else layers
-        out = []
+        out: list[memoryview | DeviceRef] = []
         for block in block_ids:
             for region, view in ((self.regions[i], self._views[i]) for i in chosen):
                 if not 0 <= block < region.num_blocks:
                     raise IndexError(f"block id {block} outside the KV cache's {region.num_blocks} blocks")
                 layout = region.layout
                 base = block * layout.block_stride
-                out += [view[base + off:base + off + length] for off, length in layout.regions]
+                if view is None:
+                    assert region.device is not None
+                    out += [DeviceRef(region.device, region.address + base + off, length)
+                            for off, length in layout.regions]
+                else:
+                    out += [view[base + off:base + off + length] for off, length in layout.regions]
         return out
 
 
 class BlockClient(Protocol):
     """What the moves need of ``daybreak.client.KVPoolClient``."""
 
-    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]: ...
+    def batch_put(self, keys: Sequence[str], buffers: Sequence[Any], *,
+                  tier: Literal["dram", "hbm"] = "dram") -> list[int]: ...
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]: ...
 
@@ -583,15 +723,19 @@ class BlockMover:
     ``batch_put`` reads straight from them: no staging copy on the engine side.
     A load error or miss of any piece fails its whole block; a save error only
     costs a future miss. ``errors`` are the exceptions a pool problem raises.
+    ``tier``: where saves ask the agents to keep the blocks (``hbm``: an agent's
+    device-memory tier, reached over the device link from device KV caches).
     """
 
-    def __init__(self, views: BlockViews, *, fingerprint: str, errors: tuple[type[BaseException], ...]) -> None:
+    def __init__(self, views: BlockViews, *, fingerprint: str, errors: tuple[type[BaseException], ...],
+                 tier: Literal["dram", "hbm"] = "dram") -> None:
         self.views = views
         self.fingerprint = fingerprint
         self.errors = errors
+        self.tier: Literal["dram", "hbm"] = tier
 
     def _plan(self, transfers: Sequence[BlockTransfer],
-              layers: Sequence[int] | None) -> tuple[list[str], list[int], list[memoryview]]:
+              layers: Sequence[int] | None) -> tuple[list[str], list[int], list[memoryview | DeviceRef]]:
         keys: list[str] = []
         blocks: list[int] = []
         for t in transfers:
@@ -623,7 +767,242 @@ class BlockMover:
         """Write the transfers' blocks (every layer, or ``layers``) from their KV memory into the pool."""
         keys, blocks, views = self._plan(transfers, layers)
         try:
-            copies = client.batch_put(keys, views)
+            copies = client.batch_put(keys, views, tier=self.tier)
         except self.errors as exc:
             return Moved(blocks=len(blocks), keys=len(keys), done=0, error=repr(exc))
         return Moved(blocks=len(blocks), keys=len(keys), done=sum(1 for c in copies if c))
+
+
+# -- layer by layer: the I/O thread, and the device streams it is ordered against ---------------------
+
+class LayerSync(Protocol):
+    """How the pool I/O of one layer is ordered against the forward pass on the KV cache's device.
+
+    The forward pass queues each layer's kernels and goes on; the I/O thread moves
+    a layer's blocks meanwhile. A save must not read a layer before its kernels
+    wrote it, and the forward pass must not read a loaded layer before its bytes
+    landed. Markers are opaque (device events); ``HostSync`` is the CPU's (no-op),
+    ``TorchStreamSync`` an accelerator's through torch's stream API.
+    """
+
+    def compute_done(self) -> Any:
+        """Forward thread, after a layer has run: a marker of the compute queued so far."""
+
+    def wait_compute(self, marker: Any) -> None:
+        """I/O thread, before a save reads a layer: wait until that compute has completed."""
+
+    def io_done(self) -> Any:
+        """I/O thread, after a layer's moves: a marker of the device work they queued."""
+
+    def wait_io(self, marker: Any) -> None:
+        """Forward thread, before a layer reads its loaded blocks: order the compute after that work."""
+
+    def io_scope(self) -> AbstractContextManager[Any]:
+        """Around the I/O thread's work: its own stream on an accelerator."""
+
+
+class HostSync:
+    """Host memory: a layer's bytes are there when the forward thread returns from it, and the moves are
+    synchronous, so the I/O thread needs no ordering beyond its futures."""
+
+    def compute_done(self) -> None:
+        return None
+
+    def wait_compute(self, marker: Any) -> None:
+        return None
+
+    def io_done(self) -> None:
+        return None
+
+    def wait_io(self, marker: Any) -> None:
+        return None
+
+    def io_scope(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+
+class TorchStreamSync:
+    """An accelerator's ordering through torch (``torch.cuda``, or a backend with the same stream API).
+
+    Saves: ``compute_done`` records an event on the forward pass's current stream
+    after the layer; the I/O thread waits for it on the host (``Event.synchronize``),
+    which holds only the I/O thread, not the GPU. Loads run with the I/O thread's
+    own stream current (``torch.cuda.Stream``), and an event recorded on it after
+    each layer's moves is what the forward pass's stream waits on (``wait_event``:
+    no host wait). The runtimes' copies complete before they return
+    (``AcceleratorRuntime``), so that event orders any device work the I/O thread
+    queued on its stream. torch is imported here, not with this module.
+    """
+
+    def __init__(self, platform: str, index: int) -> None:
+        import torch
+
+        backend = getattr(torch, platform, None)
+        if backend is None or not all(hasattr(backend, n) for n in ("Stream", "Event", "current_stream", "stream")):
+            raise ConnectorConfigError(f"torch has no stream API for {platform} (torch.{platform}.Stream, Event, "
+                                       "current_stream, stream): the connector orders its layer-by-layer moves "
+                                       "with it")
+        self._backend = backend
+        self.device = torch.device(platform, index)
+        self.stream = backend.Stream(device=self.device)
+
+    def compute_done(self) -> Any:
+        event = self._backend.Event()
+        event.record(self._backend.current_stream(self.device))
+        return event
+
+    def wait_compute(self, marker: Any) -> None:
+        marker.synchronize()
+
+    def io_done(self) -> Any:
+        event = self._backend.Event()
+        event.record(self.stream)
+        return event
+
+    def wait_io(self, marker: Any) -> None:
+        self._backend.current_stream(self.device).wait_event(marker)
+
+    def io_scope(self) -> AbstractContextManager[Any]:
+        scope: AbstractContextManager[Any] = self._backend.stream(self.stream)
+        return scope
+
+
+def layer_sync(memory: KVMemory) -> LayerSync:
+    """The ordering for KV caches in ``memory``: none on host memory, the device's streams otherwise."""
+    if not memory.on_device:
+        return HostSync()
+    assert memory.index is not None
+    return TorchStreamSync(memory.platform, memory.index)
+
+
+class LayerPipeline:
+    """Layer-by-layer moves on one I/O thread, overlapping the forward pass (issue 20 item 5).
+
+    Loads: ``start_loads`` queues one batch per layer, in layer order;
+    ``wait_load(layer)`` holds the forward pass until that layer's blocks are in.
+    Saves: ``save_layer`` queues a layer's batch as soon as the forward pass has
+    run the layer (after its compute, through ``sync``); ``finish_saves`` saves
+    the layers nobody reported, in one batch, and waits for them all. The pool
+    client is used on the I/O thread only (IT IS NOT THREAD-SAFE), in submission
+    order.
+    """
+
+    def __init__(self, mover: BlockMover, client: BlockClient, *, sync: LayerSync | None = None,
+                 thread_name: str = "daybreak-kv-io") -> None:
+        self.mover = mover
+        self.client = client
+        self.sync: LayerSync = sync or HostSync()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._loading: dict[int, Future[tuple[Moved, Any]]] = {}
+        self._saving: dict[int, Future[Moved]] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.mover.views.num_layers
+
+    @property
+    def loading(self) -> bool:
+        """Loads queued and not yet waited for."""
+        return bool(self._loading)
+
+    @property
+    def saving(self) -> bool:
+        """Saves queued and not yet finished."""
+        return bool(self._saving)
+
+    def start_loads(self, transfers: Sequence[BlockTransfer]) -> None:
+        for layer in range(self.num_layers):
+            self._loading[layer] = self._io.submit(self._load, transfers, layer)
+
+    def _load(self, transfers: Sequence[BlockTransfer], layer: int) -> tuple[Moved, Any]:
+        with self.sync.io_scope():
+            moved = self.mover.load(self.client, transfers, layers=(layer,))
+            return moved, self.sync.io_done()
+
+    def wait_load(self, layer: int) -> Moved | None:
+        """This layer's load once its blocks are in (or failed); None when none is queued for it."""
+        future = self._loading.pop(layer, None)
+        if future is None:
+            return None
+        moved, marker = future.result()
+        self.sync.wait_io(marker)
+        return moved
+
+    def finish_loads(self) -> list[Moved]:
+        """Wait for the loads of the layers nobody waited for, in layer order."""
+        return [moved for layer in sorted(self._loading) if (moved := self.wait_load(layer)) is not None]
+
+    def save_layer(self, layer: int, transfers: Sequence[BlockTransfer]) -> bool:
+        """Queue this layer's save behind its compute; False when it is already queued."""
+        if layer in self._saving:
+            return False
+        self._saving[layer] = self._io.submit(self._save, transfers, (layer,), self.sync.compute_done())
+        return True
+
+    def _save(self, transfers: Sequence[BlockTransfer], layers: Sequence[int], marker: Any) -> Moved:
+        self.sync.wait_compute(marker)
+        with self.sync.io_scope():
+            return self.mover.save(self.client, transfers, layers=layers)
+
+    def finish_saves(self, transfers: Sequence[BlockTransfer]) -> list[Moved]:
+        """Save the layers not yet queued (one batch), then wait for every save of the step, in layer order."""
+        rest = [layer for layer in range(self.num_layers) if layer not in self._saving]
+        if rest:
+            self._saving[rest[0]] = self._io.submit(self._save, transfers, rest, self.sync.compute_done())
+        return [self._saving.pop(layer).result() for layer in sorted(self._saving)]
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+
+# -- an engine pod's transfer engine --------------------------------------------------------------------
+
+@dataclass
+class PodEngine:
+    """The transfer engine an engine pod moves device KV through, and the runtime under it.
+
+    Both None for host KV caches (the client's own paths, as before) or when the
+    platform's runtime did not load; ``missing`` then says why, for the error
+    ``require_device_path`` raises once the KV cache is known to be on a device.
+    """
+
+    engine: Any = None
+    runtime: Any = None
+    missing: str = ""
+
+    def close(self) -> None:
+        """Close the engine, then the runtime (after the client that used them)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
+
+def pod_engine(settings: PoolSettings, *, platform: str, env: Mapping[str, str] | None = None) -> PodEngine:
+    """An engine pod's transfer engine for KV caches on ``platform`` (torch's device type): the platform's
+    runtime (``daybreak.agent.runtime.load_runtime``) and the engine built from the pod's contract
+    (``client.datapath.engine_for_pod``: its transports and TLS, ``settings.token``, ``$NODE_NAME``).
+
+    ``cpu``: none (host KV caches keep the client's own paths). A runtime that does not load is no
+    error here: the reason goes into ``missing`` for ``require_device_path``.
+    """
+    if platform == "cpu":
+        return PodEngine()
+    wanted = RUNTIME_FOR_DEVICE.get(platform)
+    if wanted is None:
+        return PodEngine(missing=f"no Daybreak runtime for {platform}")
+    from daybreak.agent.runtime import load_runtime
+    from daybreak.client.datapath import engine_for_pod
+    from daybreak.client.env import engine_pod_env
+
+    loaded = load_runtime(wanted)
+    if loaded.name != wanted:
+        return PodEngine(missing=f"the {wanted} runtime did not load: {loaded.skipped.get(wanted, 'unknown')}")
+    try:
+        engine = engine_for_pod(engine_pod_env(env), token=settings.token, runtime=loaded.runtime)
+    except BaseException:
+        loaded.runtime.close()
+        raise
+    return PodEngine(engine=engine, runtime=loaded.runtime)

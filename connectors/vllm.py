@@ -15,23 +15,35 @@ Scheduler side: ``get_num_new_matched_tokens`` asks the pool, in one batched
 exists, which leading full prompt blocks it holds beyond the engine's own
 prefix cache; once vLLM has allocated blocks, the load (pool -> those blocks)
 and, step by step as prefill completes blocks, the saves (blocks -> pool) go
-into the step's metadata. Worker side, layer by layer on one I/O thread:
-``start_load_kv`` starts one ``batch_get_into`` per layer straight into the KV
-tensors' block pieces and each attention layer waits for its own
-(``wait_for_layer_load``); ``save_kv_layer`` starts a layer's ``batch_put``
-from the same pieces as soon as the layer has run, and ``wait_for_save`` waits
-for them all (``daybreak.connectors.blocks.BlockMover`` does the moves). No
-intermediate copies: same-node agents are read and written through their
-shared-memory segments (one memcpy each way).
+into the step's metadata. Worker side, layer by layer on one I/O thread
+(``daybreak.connectors.blocks.LayerPipeline``): ``start_load_kv`` starts one
+``batch_get_into`` per layer straight into the KV tensors' block pieces and each
+attention layer waits for its own (``wait_for_layer_load``); ``save_kv_layer``
+starts a layer's ``batch_put`` from the same pieces as soon as the layer has
+run, and ``wait_for_save`` waits for them all (``BlockMover`` does the moves). On
+an accelerator the I/O thread has its own CUDA stream and is ordered against the
+forward pass by one event per layer (a save waits for its layer's kernels, the
+forward pass's stream for a layer's load). No intermediate copies: host KV
+caches move through same-node agents' shared-memory segments (one memcpy each
+way); device KV caches through the pod's transfer engine (below).
 
 KV layouts: the ``KVCacheLayout`` vLLM's engine core resolved for the
 attention backend (``KVCacheConfig.kv_cache_layout``: ``LBHNC`` on the CPU
 backend, ``LBNHC``, ``LHBNC``, ``BLHNC``... on GPU backends) says where a
 block's bytes are: one piece per layer, or one per head slot when another
-dim lies between the head slots and the tokens. It is part of the key fingerprint, and
-``register_kv_caches`` checks every tensor's real strides against it. KV caches
-in host memory are supported in any of these layouts; caches in device memory
-are refused for now (the client's device-buffer support is not built yet).
+dim lies between the head slots and the tokens. It is part of the key fingerprint (with the
+platform: CPU and GPU engines never share keys), and ``register_kv_caches`` checks every tensor's
+real strides against it.
+
+Device KV caches: on an accelerator the worker builds the pod's transfer engine
+(``blocks.pod_engine``: the platform's runtime through
+``daybreak.agent.runtime.load_runtime``, the engine from the pod's contract through
+``daybreak.client.datapath.engine_for_pod``), hands it to its pool client and
+closes it at shutdown; the client moves each block piece as a ``DeviceRef`` by
+the path the agent allows (device link into an HBM tier, DMA into a DRAM
+segment, GPUDirect rdma). A runtime that does not load makes
+``register_kv_caches`` fail naming it. ``tier: hbm`` in the extra config keeps
+saved blocks in the agents' HBM tier. On CPU nothing of this runs.
 
 A load that misses or fails reports its blocks through
 ``get_block_ids_with_load_errors`` and vLLM recomputes them (the connector
@@ -46,7 +58,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,15 +77,21 @@ from daybreak.connectors.blocks import (
     BlockViews,
     ConnectorConfigError,
     EngineLayout,
+    KVMemory,
+    LayerPipeline,
     Moved,
+    PodEngine,
     PoolSettings,
     RequestTracker,
     block_keys,
     check_layout,
     layer_region,
+    layer_sync,
     leading_hits,
     loadable_blocks,
-    require_host_memory,
+    pod_engine,
+    require_device_path,
+    save_tier,
 )
 
 if TYPE_CHECKING:
@@ -163,31 +180,39 @@ class DaybreakConnector(KVConnectorBase_V1):
                 raise ConnectorConfigError(f"on_load_error must be 'recompute' or 'fail', got {policy!r}")
             # vLLM's default fails the request on a load error; a cache miss must only cost time.
             transfer.kv_load_failure_policy = policy
-        self._client = KVPoolClient(list(self._settings.endpoints), token=self._settings.token,
-                                    namespace=self._settings.namespace, tls_ca_file=pool_tls_ca_file(),
-                                    transport=self._settings.client_transport,
-                                    transports=self._settings.transports or None)
+        self._tier = save_tier(extra.get("tier"))
+        # The worker's KV cache is on the accelerator vLLM runs on: device memory moves only through a transfer
+        # engine with that platform's runtime. The scheduler only asks which blocks exist: no engine.
+        self._pod = (pod_engine(self._settings, platform=self._layout.platform)
+                     if role == KVConnectorRole.WORKER else PodEngine())
+        try:
+            self._client = KVPoolClient(list(self._settings.endpoints), token=self._settings.token,
+                                        namespace=self._settings.namespace, tls_ca_file=pool_tls_ca_file(),
+                                        transport=self._settings.client_transport,
+                                        transports=self._settings.transports or None, engine=self._pod.engine)
+        except BaseException:
+            self._pod.close()
+            raise
         # scheduler side
         self._trackers: dict[str, RequestTracker] = {}
         # request id -> (first block to load, blocks loadable from it, leading blocks in the pool) of the last lookup
         self._lookups: dict[str, tuple[int, int, int]] = {}
         # worker side
-        self._mover: BlockMover | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
-        # Layer by layer: the worker's pool I/O runs on this one thread, in submission order, and only
-        # there (the client is not thread-safe); the forward pass waits per layer.
-        self._io: ThreadPoolExecutor | None = None
+        # Layer by layer: the worker's pool I/O runs on the pipeline's one thread, in submission order, and
+        # only there (the client is not thread-safe); the forward pass waits per layer.
+        self._pipeline: LayerPipeline | None = None
         self._layer_index: dict[str, int] = {}
-        self._loading: dict[int, Future[Moved]] = {}
         self._loaded: list[Moved] = []
         self._waited = 0  # layers of the current loads the forward pass waited for (the rest: after it)
         self._load_started = 0.0
-        self._saving: dict[int, Future[Moved]] = {}
         self._save_started = 0.0
         log.info("event=connector_ready role=%s kv_role=%s namespace=%s layout=%s fingerprint=%s endpoints=%s "
-                 "pool_ref=%s", role.name, transfer.kv_role, self._settings.namespace, self._layout, self._fingerprint,
-                 ",".join(self._settings.endpoints), self._settings.pool_ref or "-")
+                 "pool_ref=%s transfer_engine=%s", role.name, transfer.kv_role, self._settings.namespace, self._layout,
+                 self._fingerprint, ",".join(self._settings.endpoints), self._settings.pool_ref or "-",
+                 ",".join(self._pod.engine.transports) if self._pod.engine is not None else
+                 (f"none ({self._pod.missing})" if self._pod.missing else "none"))
 
     # -- scheduler side -----------------------------------------------------------------------------
 
@@ -278,28 +303,37 @@ class DaybreakConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map each layer's paged KV tensor (host memory, the backend's layout) to the pieces of its blocks."""
+        """Map each layer's paged KV tensor (host or device memory, the backend's layout) to the pieces of its
+        blocks; device memory needs the pod's transfer engine with the platform's runtime."""
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConnectorConfigError(f"KV caches of layers {missing[:3]} were not registered")
         regions = []
+        memories = set()
         for name in names:
             tensor = kv_caches[name]
             if not isinstance(tensor, torch.Tensor):
                 raise ConnectorConfigError(f"layer {name}: KV cache is a {type(tensor).__name__}, not one tensor")
-            require_host_memory(name, str(tensor.device))
+            memory = KVMemory.parse(str(tensor.device))
+            device = require_device_path(name, memory, self._pod.engine, missing=self._pod.missing)
+            memories.add(memory)
             regions.append(layer_region(name, address=tensor.data_ptr(), shape=tuple(tensor.shape),
                                         strides=tuple(tensor.stride()), itemsize=tensor.element_size(),
-                                        layout=self._layout, num_blocks=self._kv_cache_config.num_blocks))
+                                        layout=self._layout, num_blocks=self._kv_cache_config.num_blocks,
+                                        device=device))
             self._kv_tensors.append(tensor)  # keeps the memory the views point into alive
+        if len(memories) != 1:
+            raise ConnectorConfigError(f"KV cache layers are spread over {sorted(map(str, memories))}: the "
+                                       "connector moves one device's (or host memory's) KV cache per worker")
         views = BlockViews(regions)
-        self._mover = BlockMover(views, fingerprint=self._fingerprint, errors=(KVPoolError, OSError, ValueError))
+        mover = BlockMover(views, fingerprint=self._fingerprint, errors=(KVPoolError, OSError, ValueError),
+                           tier=self._tier)
         self._layer_index = {name: i for i, name in enumerate(names)}
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daybreak-kv-io")
-        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d pieces=%d kv_layout=%s",
-                 len(regions), regions[0].num_blocks, regions[0].layout.block_bytes, views.pieces_per_layer,
-                 self._layout.kv_layout)
+        self._pipeline = LayerPipeline(mover, self._client, sync=layer_sync(memories.pop()))
+        log.info("event=kv_caches_registered layers=%d blocks=%d block_bytes=%d pieces=%d kv_layout=%s memory=%s "
+                 "tier=%s", len(regions), regions[0].num_blocks, regions[0].layout.block_bytes,
+                 views.pieces_per_layer, self._layout.kv_layout, tensor.device, self._tier)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start loading this step's planned blocks from the pool into the KV tensors, one batch per layer.
@@ -310,20 +344,20 @@ class DaybreakConnector(KVConnectorBase_V1):
         """
         self._finish_loads()  # a layer nobody waited for in the last step
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._mover is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.loads or self._pipeline is None:
             return
-        assert self._io is not None
         self._load_started = time.perf_counter()
-        for layer in range(self._layout.num_layers):
-            self._loading[layer] = self._io.submit(self._mover.load, self._client, meta.loads, layers=(layer,))
+        self._pipeline.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this layer's pieces of the step's loads are in the KV tensor (or failed)."""
-        future = self._loading.pop(self._layer_index.get(layer_name, -1), None)
-        if future is not None:
-            self._took(future.result())
+        if self._pipeline is None:
+            return
+        moved = self._pipeline.wait_load(self._layer_index.get(layer_name, -1))
+        if moved is not None:
+            self._took(moved)
             self._waited += 1
-        if not self._loading and self._loaded:
+        if not self._pipeline.loading and self._loaded:
             self._log_loads()
 
     def _took(self, moved: Moved) -> None:
@@ -333,8 +367,9 @@ class DaybreakConnector(KVConnectorBase_V1):
         self._loaded.append(moved)
 
     def _finish_loads(self) -> None:
-        for layer in sorted(self._loading):
-            self._took(self._loading.pop(layer).result())
+        if self._pipeline is not None:
+            for moved in self._pipeline.finish_loads():
+                self._took(moved)
         if self._loaded:
             self._log_loads()
 
@@ -350,28 +385,23 @@ class DaybreakConnector(KVConnectorBase_V1):
         """Start saving this layer's pieces of the blocks this step completes, as soon as the layer has run."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         layer = self._layer_index.get(layer_name)
-        if (not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None
-                or layer is None or layer in self._saving):
+        if (not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._pipeline is None
+                or layer is None):
             return
-        assert self._io is not None
-        if not self._saving:
+        if not self._pipeline.saving:
             self._save_started = time.perf_counter()
-        self._saving[layer] = self._io.submit(self._mover.save, self._client, meta.saves, layers=(layer,))
+        self._pipeline.save_layer(layer, meta.saves)
 
     def wait_for_save(self) -> None:
         """Wait for this step's saves; layers the forward pass did not report are saved now, in one batch."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._mover is None:
+        if not isinstance(meta, DaybreakConnectorMetadata) or not meta.saves or self._pipeline is None:
             return
-        assert self._io is not None
-        rest = [layer for layer in range(self._layout.num_layers) if layer not in self._saving]
-        if rest:
-            if not self._saving:
-                self._save_started = time.perf_counter()
-            self._saving[rest[0]] = self._io.submit(self._mover.save, self._client, meta.saves, layers=rest)
-        moved = [self._saving.pop(layer).result() for layer in sorted(self._saving)]
+        if not self._pipeline.saving:
+            self._save_started = time.perf_counter()
+        moved = self._pipeline.finish_saves(meta.saves)
         errors = [m.error for m in moved if m.error]
         if errors:
             log.warning("event=save_failed keys=%d error=%s action=none", sum(m.keys for m in moved), errors[0])
@@ -386,9 +416,10 @@ class DaybreakConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        if self._pipeline is not None:
+            self._pipeline.close()
         self._client.close()
+        self._pod.close()  # the engine and runtime after the client that used them
 
 
 def prompt_keys(token_ids: list[int], *, fingerprint: str, block_tokens: int, num_layers: int,

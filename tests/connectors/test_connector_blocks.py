@@ -142,3 +142,11 @@ def test_block_views_write_straight_into_the_kv_memory() -> None:
     assert bytes(layers[0])[:32] == b"\0" * 32
     with pytest.raises(IndexError, match="outside"):
         views.views([3])
+
+
+def test_the_save_tier_is_dram_unless_the_extra_config_asks_for_hbm() -> None:
+    from daybreak.connectors.blocks import save_tier
+
+    assert save_tier(None) == "dram" and save_tier("HBM") == "hbm" and save_tier("dram") == "dram"
+    with pytest.raises(ConnectorConfigError, match="tier must be 'dram' or 'hbm', got 'ssd'"):
+        save_tier("ssd")

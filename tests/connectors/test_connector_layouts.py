@@ -32,7 +32,6 @@ from daybreak.connectors.blocks import (
     block_keys,
     layer_region,
     layout_order,
-    require_host_memory,
 )
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
 
@@ -203,7 +202,7 @@ def test_a_block_missing_or_short_in_one_piece_fails_alone(client: KVPoolClient)
 class _Down:
     """A pool that fails every call, as the client raises when no agent answers."""
 
-    def batch_put(self, keys: Any, buffers: Any) -> list[int]:
+    def batch_put(self, keys: Any, buffers: Any, *, tier: str = "dram") -> list[int]:
         raise KVPoolError("no agent of the pool answered")
 
     def batch_get_into(self, keys: Any, buffers: Any) -> list[int | None]:
@@ -241,13 +240,3 @@ def test_a_tensor_that_is_not_in_the_fingerprinted_layout_is_refused_naming_both
                      layout=engine_layout("LBHNC"), num_blocks=PAGE["blocks"] // 2)
     with pytest.raises(ConnectorConfigError, match="not a vLLM KVCacheLayout name"):
         engine_layout("NHD")
-
-
-def test_a_kv_cache_in_device_memory_is_refused_for_want_of_the_clients_device_buffers() -> None:
-    require_host_memory("model.layers.0.self_attn.attn", "cpu")
-    with pytest.raises(ConnectorConfigError) as err:
-        require_host_memory("model.layers.0.self_attn.attn", "cuda:0")
-    message = str(err.value)
-    assert "is in cuda:0 memory" in message
-    assert "client's device-buffer support, which is not built yet" in message
-    assert "CPU backend" not in message
