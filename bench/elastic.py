@@ -516,9 +516,11 @@ class Bench:
         step_up = start + (a.base_seconds if a.trace is None and a.shape == "step" else 0.0)
         prefill = [(s.t, s.prefill_ready) for s in self.samples]
         decode = [(s.t, s.decode_ready) for s in self.samples]
-        events = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name={name},"
-                          "reason=Autoscaled")["items"]
         pdd = self.get(f"/apis/{vocab.API_VERSION}/namespaces/{NS}/{vocab.PDDEPLOYMENT_PLURAL}/{name}")
+        # This run's PDDeployment only: an earlier run of the same configuration (another start-up delay) had
+        # the same name, and its Events outlive it.
+        events = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name={name},"
+                          f"involvedObject.uid={pdd['metadata']['uid']},reason=Autoscaled")["items"]
         result = {
             "config": config, "startup_seconds": startup_seconds, "replicas_at_start": list(replicas),
             "requests": len(records), "failed_requests": sum(1 for r in records if not r.ok),
