@@ -8,12 +8,16 @@ the end of the session; their logs stay under pytest's basetemp for triage.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from daybreak.devenv import tools
 from daybreak.devenv.cluster import ClusterSpec, LocalCluster
+from daybreak.testing.store_agent import LocalAgent, cleanup_pool
 
 
 def _start(tmp_path_factory: pytest.TempPathFactory, name: str, spec: ClusterSpec) -> Iterator[LocalCluster]:
@@ -44,3 +48,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     chart's operator) really run as local processes, everything else stays kwok's.
     """
     yield from _start(tmp_path_factory, "e2e", ClusterSpec(nodes=2, devices_per_node=8, process_kubelet=True))
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A pool of local agent processes for store tests: its name, token file and the agents a test starts
+    (``daybreak.testing.store_agent.LocalAgent``, appended to ``agents``); all killed and their shared memory
+    removed afterwards. Test files that need another kind of pool define their own ``pool``."""
+    name = f"p{uuid.uuid4().hex[:8]}"
+    agents: list[LocalAgent] = []
+    yield {"name": name, "token_file": tmp_path / "token", "agents": agents, "tmp": tmp_path}
+    for agent in agents:
+        agent.kill()
+    cleanup_pool(name)

@@ -32,7 +32,7 @@ from daybreak.agent.transfer import TransferEngine, metrics
 from daybreak.agent.transfer.paths import TopologyView
 from daybreak.client import KVPoolClient
 from daybreak.pool import shm as pool_shm
-from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
+from daybreak.testing.store_agent import LocalAgent, free_port
 
 MiB = 1 << 20
 SIZES = [MiB, 4 * MiB + 17, 65_537]
@@ -54,14 +54,6 @@ def runtime(libdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SunriseRu
     yield rt
     rt.close()
 
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    ctx: dict[str, Any] = {"name": f"t{uuid.uuid4().hex[:8]}", "token_file": tmp_path / "token", "agents": []}
-    yield ctx
-    for agent in ctx["agents"]:
-        agent.kill()
-    cleanup_pool(ctx["name"])
 
 
 def _agent(pool: dict[str, Any], libdir: Path, monkeypatch: pytest.MonkeyPatch, *, hbm: bool) -> LocalAgent:

@@ -9,9 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +19,7 @@ from daybreak.client import KVPoolClient, KVPoolError
 from daybreak.pool import protocol as p
 from daybreak.pool.connection import AuthenticationFailed, Connection, RemoteError, parse_address
 from daybreak.pool.shm import SHM_DIR
-from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[dict[str, object]]:
-    name = f"t{uuid.uuid4().hex[:8]}"
-    agents: list[LocalAgent] = []
-    ctx: dict[str, object] = {"name": name, "token_file": tmp_path / "token", "agents": agents, "tmp": tmp_path}
-    yield ctx
-    for agent in agents:
-        agent.kill()
-    cleanup_pool(name)
+from daybreak.testing.store_agent import LocalAgent, free_port
 
 
 def start(pool: dict[str, object], *, port: int | None = None, peers: list[str] | None = None, replicas: int = 1,

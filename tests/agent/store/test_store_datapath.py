@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from daybreak.client.datapath import engine_for_pod
 from daybreak.client.env import engine_pod_env
 from daybreak.pool import shm as pool_shm
 from daybreak.pool.credentials import namespace_credential
-from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
+from daybreak.testing.store_agent import LocalAgent, free_port
 
 MiB = 1 << 20
 SIZES = [1, 4096, 65_537, MiB + 3, 3 * MiB]
@@ -36,14 +35,6 @@ def _blocks(seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
 
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    ctx: dict[str, Any] = {"name": f"t{uuid.uuid4().hex[:8]}", "token_file": tmp_path / "token", "agents": []}
-    yield ctx
-    for agent in ctx["agents"]:
-        agent.kill()
-    cleanup_pool(ctx["name"])
 
 
 def _agent(pool: dict[str, Any], *, extra: list[str] | None = None, env: dict[str, str] | None = None) -> LocalAgent:

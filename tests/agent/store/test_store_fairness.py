@@ -225,15 +225,6 @@ def test_kvpool_quotas_reach_the_agent_config() -> None:
 
 # -- the four attacks, against real agent processes ------------------------------------------------------------
 
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    name = f"q{uuid.uuid4().hex[:8]}"
-    agents: list[LocalAgent] = []
-    yield {"name": name, "token_file": tmp_path / "secret", "agents": agents}
-    for agent in agents:
-        agent.kill()
-    cleanup_pool(name)
-
 
 def start(pool: dict[str, Any], *, dram: str = "64Mi", extra: list[str] | None = None) -> LocalAgent:
     agent = LocalAgent(address=f"127.0.0.1:{free_port()}", token_file=pool["token_file"], pool=pool["name"],

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,16 +32,6 @@ from daybreak.pool.credentials import agent_credential, namespace_credential
 from daybreak.pool.shm import SHM_DIR
 from daybreak.pool.sockets import recv_exact
 from daybreak.testing.store_agent import LocalAgent, cleanup_pool, free_port
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[dict[str, object]]:
-    name = f"s{uuid.uuid4().hex[:8]}"
-    agents: list[LocalAgent] = []
-    yield {"name": name, "token_file": tmp_path / "secret", "agents": agents}
-    for agent in agents:
-        agent.kill()
-    cleanup_pool(name)
 
 
 def start(pool: dict[str, object], *, dram: str = "64Mi", extra: list[str] | None = None,
