@@ -97,6 +97,7 @@ THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throu
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
 OUTPUT_DECAY = 0.8  # per interval with finished decode requests: the mean output length follows the workload
+QUEUED_WAITING = 0.5  # mean requests waiting in a window that says the pod ran all it could (DecodeLearning)
 SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the target without it (hysteresis)
 # The least utilisation prefill is planned at. Near (or past) the point where one request alone takes the
 # TTFT target, 1 - S/T goes to zero and the pod count to infinity, though no pod count brings the latency
@@ -217,12 +218,21 @@ class DecodeLearning:
     # length that turns prefill's arrival rate into decode's coming tokens per second.
     produced: float = 0.0
     finished: float = 0.0
+    # The most sequences a pod runs at once (vLLM's max_num_seqs, or what its KV blocks allow), learned from
+    # windows in which requests waited: a pod only queues when it runs all it can, so what it ran then is its
+    # cap (the highest such mean: a window queued for part of its length reads below it). None until a pod
+    # queued; until then the ITL target alone bounds the batch.
+    batch_cap: float | None = None
 
     def tokens_per_request(self) -> float | None:
         return self.produced / self.finished if self.finished >= 1.0 else None
 
     def observe(self, windows: Iterable[PodWindow]) -> None:
         windows = list(windows)
+        for w in windows:
+            if w.mean_waiting >= QUEUED_WAITING and w.mean_running >= 1.0:
+                ran = float(round(w.mean_running))
+                self.batch_cap = ran if self.batch_cap is None else max(self.batch_cap, ran)
         produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
         finished = sum(w.requests for w in windows if w.itl is not None and w.requests > 0)
         if finished > 0:
@@ -384,8 +394,8 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
     """(pods, sequences per pod) for ``tokens``/s and ``queued`` requests under ITL = a + c x batch <= target.
 
     ``max_batch``: the pods' own cap on running sequences (vLLM's ``max_num_seqs``), where it binds before the
-    target does. The planner cannot read it from the metrics and leaves it unbounded; the bench's fixed
-    sizings pass the cap their pods run with.
+    target does: the planner passes the cap it learned from pods that queued (``DecodeLearning.batch_cap``),
+    the bench's fixed sizings the cap their pods run with.
     """
     batch = min((target - a) / c, max_batch)
     if batch < 1:
@@ -449,8 +459,11 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     if fit is not None:
         a, c = fit
         numbers["itl_base_s"], numbers["itl_per_request_s"] = a, c
-        pods, batch = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target)
-        hold, _ = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target * (1 - margin))
+        cap = learned.batch_cap if learned.batch_cap is not None else math.inf
+        pods, batch = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target, max_batch=cap)
+        hold, _ = decode_pods(tokens=tokens, queued=queued, a=a, c=c, target=target * (1 - margin), max_batch=cap)
+        if learned.batch_cap is not None:
+            numbers["batch_cap"] = learned.batch_cap
         numbers["max_batch"] = batch
         if (target - a) / c < 1:
             why = (f"ITL at batch 1 is {a + c:.3g}s, over the {target:g}s target: one sequence per pod for "

@@ -7,6 +7,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+import pytest
+
 from daybreak.operator.engine_metrics import Histogram, PodSample, PodWindow, parse_metrics
 from daybreak.operator.planner import (
     DecodeLearning,
@@ -428,6 +430,27 @@ def test_decode_counts_the_requests_prefill_holds_as_sequences_a_prefill_away() 
     assert alone.urgent is None, alone
     ahead = estimate_decode([w], target=0.08, learned=learned, current=1, prefilling=6.0)
     assert ahead.urgent == 2 and ahead.numbers["in_flight_now"] == 8.0, ahead
+
+
+def test_decode_learns_the_pods_batch_cap_from_windows_in_which_requests_waited() -> None:
+    # ITL = 0.02 + 0.012 x batch allows batch 5 within 80 ms, but the pods run at most 4 (max_num_seqs): a pod
+    # that queues shows it. Until one queued the target alone bounds the batch; after, the cap does, and the
+    # same 150 tokens/s need 150 x 0.08 / 4 = 3 pods, not 2.4.
+    learned = DecodeLearning(points={1: (1.0, 0.032), 3: (3.0, 0.056)})
+
+    def w(running: float, waiting: float) -> PodWindow:
+        return PodWindow(pod="d", seconds=6.0, requests=1.0, uncached_tokens=None, mean_running=running,
+                         mean_waiting=waiting, running_change=0.0, waiting_growth=0.0, ttft=None,
+                         itl=Histogram(((float("inf"), 900.0),), 900 * 0.068, 900.0), in_flight_now=running)
+
+    before = estimate_decode([w(3.0, 0.0)], target=0.08, learned=learned, current=1)
+    assert before.pods == pytest.approx(150 * 0.08 / 5) and "batch_cap" not in before.numbers
+    learned.observe([w(3.0, 0.0)])  # not queued: says nothing of the cap
+    assert learned.batch_cap is None
+    learned.observe([w(3.6, 0.6), w(4.0, 2.0)])  # queued: the most it ran then
+    assert learned.batch_cap == 4.0
+    after = estimate_decode([w(4.0, 0.0)], target=0.08, learned=learned, current=1)
+    assert after.pods == pytest.approx(150 * 0.08 / 4) and after.numbers["max_batch"] == 4.0
 
 
 # -- forecast, start-up time, policies, scale to zero -------------------------------------------------------------
