@@ -496,6 +496,19 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         numbers["pods"] = pods
         return Estimate(pods, f"ITL {mean_itl:.3g}s over target {target:g}s (batch slope not fitted yet)", numbers,
                         hold=max(pods, float(current)))
+    if learned.batch_cap is not None:
+        # No slope yet (a new deployment whose load rose before its batches spread), but a pod has queued: the
+        # cap bounds every pod's batch, so the sequences held now need that many slots. Up only: without the
+        # slope the rates cannot say how few pods would do.
+        cap = learned.batch_cap
+        held = sum(w.in_flight_now for w in windows) + prefilling
+        slots = held / cap
+        urgent = backlog_step(slots, current=current, tolerance=tolerance)
+        pods = max(float(current), in_flight / cap, slots)
+        numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots)
+        why = (f"batch slope not fitted yet; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill), "
+               f"at most {cap:g} per pod: {slots:.3g} pods")
+        return Estimate(pods, why, numbers, hold=pods, settled=settled, demand=tokens + queued, urgent=urgent)
     numbers["pods"] = float(current)
     return Estimate(float(current), "ITL within target; batch slope not fitted yet", numbers)
 

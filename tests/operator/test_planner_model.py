@@ -453,6 +453,22 @@ def test_decode_learns_the_pods_batch_cap_from_windows_in_which_requests_waited(
     assert after.pods == pytest.approx(150 * 0.08 / 4) and after.numbers["max_batch"] == 4.0
 
 
+def test_before_the_decode_slope_is_fitted_a_pod_that_queued_asks_for_the_slots_its_sequences_need() -> None:
+    # A new deployment whose load rose before its batches spread: no ITL slope, ITL within target (the pod
+    # caps its batch), so the rates say nothing. Once a pod has queued, its cap bounds every batch: 9 sequences
+    # held (6 on the pod, 3 still in prefill) need 9 / 4 slots -> one pod more now, through the short window.
+    learned = DecodeLearning()
+    queued = PodWindow(pod="d", seconds=3.0, requests=1.0, uncached_tokens=None, mean_running=4.0, mean_waiting=2.0,
+                       running_change=0.0, waiting_growth=2.0, ttft=None,
+                       itl=Histogram(((float("inf"), 150.0),), 150 * 0.068, 150.0), in_flight_now=6.0)
+    blind = estimate_decode([queued], target=0.08, learned=learned, current=1, prefilling=3.0)
+    assert blind.pods == 1.0 and blind.urgent is None and "not fitted" in blind.reason, blind
+    learned.observe([queued])
+    assert learned.fit() is None and learned.batch_cap == 4.0
+    est = estimate_decode([queued], target=0.08, learned=learned, current=1, prefilling=3.0)
+    assert est.urgent == 2 and est.pods == pytest.approx(9 / 4), est
+
+
 # -- forecast, start-up time, policies, scale to zero -------------------------------------------------------------
 def first_above(trail: list[tuple[float, int, str]], level: int) -> float:
     return next(t for t, r, _ in trail if r > level)
