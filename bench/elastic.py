@@ -348,10 +348,12 @@ def startup_values(spec: str) -> list[float]:
 
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
-                 startup_seconds: float = 0.0) -> dict[str, Any]:
+                 startup_seconds: float = 0.0, revision: str = "r1") -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
 
-    ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``).
+    ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``). ``revision``: the model
+    revision, part of the KV namespace: the bench gives every run its own, so no run reads the blocks an
+    earlier run wrote (same seed, same prompts: every run after the first found them in the pool).
     """
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
@@ -359,7 +361,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
         "spec": {
             "poolRef": {"name": "pool"},
             # A small layout (1 KiB blocks) so the KV bytes moved stay cheap on 2 cores.
-            "model": {"name": "sim-model", "revision": "r1",
+            "model": {"name": "sim-model", "revision": revision,
                       "kvLayout": {"numLayers": 2, "numKVHeads": 1, "headDim": 8, "dtype": "float16",
                                    "blockTokens": 16}},
             "engine": {"kind": "sim", "args": args},
@@ -476,8 +478,10 @@ class Bench:
     def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int], policy: str,
                startup_seconds: float) -> None:
         a = self.args
+        # A KV namespace of its own per run (the revision): the pool keeps blocks across deployments.
+        revision = f"{name}-{startup_seconds:g}s"
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
-            name, replicas=replicas, startup_seconds=startup_seconds, autoscaling={
+            name, replicas=replicas, startup_seconds=startup_seconds, revision=revision, autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
                 "policy": policy})))

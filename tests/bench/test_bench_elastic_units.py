@@ -165,6 +165,12 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     args = pdd_manifest("x", replicas=(1, 1), autoscaling={}, startup_seconds=30.0)["spec"]["engine"]["args"]
     assert args[-2:] == ["--startup-seconds", "30"]
     assert "--startup-seconds" not in pdd_manifest("x", replicas=(1, 1), autoscaling={})["spec"]["engine"]["args"]
+    # Every run its own KV namespace (the revision is part of it): no run reads what an earlier one wrote.
+    from daybreak.api.pddeployment import PDDeployment
+
+    spaces = {PDDeployment.model_validate(pdd_manifest("x", replicas=(1, 1), autoscaling={}, revision=rev))
+              .spec.kv_namespace() for rev in ("el-planner-1s", "el-planner-30s")}
+    assert len(spaces) == 2
 
     def result(both: float, pods: float) -> dict[str, object]:
         return {"slo": {"both": both}, "pod_seconds": pods, "failed_requests": 0}
