@@ -219,9 +219,9 @@ class DecodeLearning:
     produced: float = 0.0
     finished: float = 0.0
     # The most sequences a pod runs at once (vLLM's max_num_seqs, or what its KV blocks allow), learned from
-    # windows in which requests waited: a pod only queues when it runs all it can, so what it ran then is its
-    # cap (the highest such mean: a window queued for part of its length reads below it). None until a pod
-    # queued; until then the ITL target alone bounds the batch.
+    # windows in which requests waited while the running count stayed flat: a pod only queues when it runs
+    # all it can, so what it ran then is its cap (the highest such mean). None until a pod queued; until
+    # then the ITL target alone bounds the batch.
     batch_cap: float | None = None
 
     def tokens_per_request(self) -> float | None:
@@ -230,7 +230,10 @@ class DecodeLearning:
     def observe(self, windows: Iterable[PodWindow]) -> None:
         windows = list(windows)
         for w in windows:
-            if w.mean_waiting >= QUEUED_WAITING and w.mean_running >= 1.0:
+            # Queued throughout and the running count flat: pinned at the cap. (A window in which the batch
+            # was still filling, running 1 -> 3 with a queue at its end, read a cap of 2 where the pods ran
+            # 4, and decode was sized double for a minute.)
+            if w.mean_waiting >= QUEUED_WAITING and abs(w.running_change) < 0.5 and w.mean_running >= 1.0:
                 ran = float(round(w.mean_running))
                 self.batch_cap = ran if self.batch_cap is None else max(self.batch_cap, ran)
         produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
