@@ -380,6 +380,19 @@ def _client(spec: dict[str, Any]) -> tuple[Any, Any]:
     return pod, KVPoolClient([spec["endpoint"]], token=spec["token"], namespace=NAMESPACE, engine=pod.engine)
 
 
+
+def _engine_report(pod: Any) -> dict[str, Any]:
+    """Bytes the pod's transfer engine moved per transport, and what fell back from where to where."""
+    return {"transports": dict(pod.engine.bytes_used),
+            "fell_back": {f"{a}->{b}": n for (a, b), n in pod.engine.bytes_fell_back.items()}}
+
+
+def _close(client: Any, pod: Any, memory: Any) -> None:
+    """The pool client, then the pod's engine and runtime, then the device memory of the run."""
+    client.close()
+    pod.close()
+    memory.close()
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
 
@@ -459,12 +472,9 @@ def role_save(spec: dict[str, Any]) -> dict[str, Any]:
                                                             pipeline_type=LayerPipeline)
                 finally:
                     cache.free()
-        out["transports"] = dict(pod.engine.bytes_used)
-        out["fell_back"] = {f"{a}->{b}": n for (a, b), n in pod.engine.bytes_fell_back.items()}
+        out.update(_engine_report(pod))
     finally:
-        client.close()
-        pod.close()
-        memory.close()
+        _close(client, pod, memory)
     return out
 
 
@@ -544,12 +554,9 @@ def role_load(spec: dict[str, Any]) -> dict[str, Any]:
                                                        pipeline_type=LayerPipeline)
             finally:
                 cache.free()
-        out["transports"] = dict(pod.engine.bytes_used)
-        out["fell_back"] = {f"{a}->{b}": n for (a, b), n in pod.engine.bytes_fell_back.items()}
+        out.update(_engine_report(pod))
     finally:
-        client.close()
-        pod.close()
-        memory.close()
+        _close(client, pod, memory)
     return out
 
 
