@@ -458,6 +458,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     if in_flight <= 0 and tokens <= 0:
         return Estimate(0.0, "no decode requests in flight", numbers)
     missing = mean_itl is not None and mean_itl > target
+    # The sequences held now, each needing a batch slot within the target: the requests in prefill too.
+    held = sum(w.in_flight_now for w in windows) + prefilling
     fit = learned.fit()
     if fit is not None:
         a, c = fit
@@ -476,7 +478,6 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
                    f"{target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
         if ahead:
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
-        held = sum(w.in_flight_now for w in windows) + prefilling
         slots = held / batch
         numbers["in_flight_now"], numbers["backlog_pods"] = held, slots
         urgent = backlog_step(slots, current=current, tolerance=tolerance)
@@ -504,7 +505,6 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         # cap bounds every pod's batch, so the sequences held now need that many slots. Up only: without the
         # slope the rates cannot say how few pods would do.
         cap = learned.batch_cap
-        held = sum(w.in_flight_now for w in windows) + prefilling
         slots = held / cap
         urgent = backlog_step(slots, current=current, tolerance=tolerance)
         pods = max(float(current), in_flight / cap, slots)
