@@ -380,7 +380,6 @@ def _client(spec: dict[str, Any]) -> tuple[Any, Any]:
     return pod, KVPoolClient([spec["endpoint"]], token=spec["token"], namespace=NAMESPACE, engine=pod.engine)
 
 
-
 def _engine_report(pod: Any) -> dict[str, Any]:
     """Bytes the pod's transfer engine moved per transport, and what fell back from where to where."""
     return {"transports": dict(pod.engine.bytes_used),
@@ -392,6 +391,7 @@ def _close(client: Any, pod: Any, memory: Any) -> None:
     client.close()
     pod.close()
     memory.close()
+
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
