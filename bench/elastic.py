@@ -136,8 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--warmup-seconds", type=float, default=45.0,
                         help="before the first configuration, this much base-rate load on a throwaway 1 + 1 "
-                             "deployment, unmeasured (0: none): the first run after the cluster starts "
-                             "otherwise pays for its warm-up")
+                             "deployment, unmeasured (0: none), so the first measured run does not start on "
+                             "a cold cluster")
     parser.add_argument("--keep", action="store_true", help="keep the cluster directory (logs) afterwards")
 
 
@@ -347,6 +347,12 @@ def startup_values(spec: str) -> list[float]:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
+def run_revision(name: str, startup_seconds: float) -> str:
+    """The model revision of one measured run, part of its KV namespace: one per configuration and start-up
+    delay, as the pool keeps blocks across deployments and every run sends the same prompts (one seed)."""
+    return f"{name}-{startup_seconds:g}s"
+
+
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
                  startup_seconds: float = 0.0, revision: str = "r1") -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
@@ -478,10 +484,9 @@ class Bench:
     def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int], policy: str,
                startup_seconds: float) -> None:
         a = self.args
-        # A KV namespace of its own per run (the revision): the pool keeps blocks across deployments.
-        revision = f"{name}-{startup_seconds:g}s"
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
-            name, replicas=replicas, startup_seconds=startup_seconds, revision=revision, autoscaling={
+            name, replicas=replicas, startup_seconds=startup_seconds,
+            revision=run_revision(name, startup_seconds), autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
                 "policy": policy})))
@@ -499,10 +504,11 @@ class Bench:
     def warm_up(self, seconds: float) -> None:
         """Base-rate sessions for ``seconds`` on a throwaway 1 + 1 deployment, nothing measured.
 
-        The first configuration after the cluster started used to pay for the warm-up (the agents' first
-        connections and allocations, the API server's caches, cold page cache for every new process): in
-        the 2026-12-02 runs the configuration that ran first missed its first requests where the same pods
-        later in the run did not (docs/performance.md)."""
+        So the first measured configuration is not the first deployment on a new cluster (the agents' first
+        connections and allocations, the API server's caches, cold page cache for every new process). The
+        order effect of the first 2026-12-02 runs was the shared KV namespace (``run_revision``), not this:
+        with a namespace per run the first two configurations on 1 + 1 pods missed the same early requests
+        of the trace (docs/performance.md)."""
         name = "el-warmup"
         print(f"[warm-up] {seconds:g} s of base-rate load on 1 prefill + 1 decode, not measured", flush=True)
         self.deploy(name, autoscale=False, replicas=(1, 1), policy="reactive", startup_seconds=0.0)

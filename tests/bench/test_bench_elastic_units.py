@@ -157,7 +157,7 @@ def test_shapes_give_the_load_its_rate_spec_and_the_fixed_sizings_their_mean_and
 
 
 def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() -> None:
-    from daybreak.bench.elastic import pdd_manifest, startup_values
+    from daybreak.bench.elastic import pdd_manifest, run_revision, startup_values
 
     assert startup_values("1,30,120") == [1.0, 30.0, 120.0]
     with pytest.raises(SystemExit, match="--startup-seconds"):
@@ -168,9 +168,11 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     # Every run its own KV namespace (the revision is part of it): no run reads what an earlier one wrote.
     from daybreak.api.pddeployment import PDDeployment
 
-    spaces = {PDDeployment.model_validate(pdd_manifest("x", replicas=(1, 1), autoscaling={}, revision=rev))
-              .spec.kv_namespace() for rev in ("el-planner-1s", "el-planner-30s")}
-    assert len(spaces) == 2
+    runs = [(name, startup) for name in ("el-planner", "el-predictive", "el-fixed-peak") for startup in (1.0, 30.0)]
+    spaces = {PDDeployment.model_validate(pdd_manifest(name, replicas=(1, 1), autoscaling={},
+                                                       revision=run_revision(name, startup))).spec.kv_namespace()
+              for name, startup in runs}
+    assert len(spaces) == len(runs)
 
     def result(both: float, pods: float) -> dict[str, object]:
         return {"slo": {"both": both}, "pod_seconds": pods, "failed_requests": 0}
