@@ -23,8 +23,11 @@ Rates need a lookback to be more than Poisson noise; the work the pods hold at
 the last scrape (requests running + waiting) needs none. So besides the rate,
 a backlog that the pods there are cannot clear within the target (prefill: the
 next request would start too late; decode: the sequences held need more batch
-slots) asks for one pod more through a short window (``backlog_step``): a step
+slots) asks for more pods through a short window (``backlog_step``): a step
 shows in the requests held an interval or two before the rates have seen it.
+The backlog's step is one pod, or up to double the role once the rates agree
+that many are needed (a backlog alone also holds what queued while the pods
+were short, which they drain once there are enough).
 
 Before a pod's throughput is learned, or the ITL line can be fitted, the
 planner falls back to the latency ratio (observed / target) so it still scales
@@ -140,6 +143,20 @@ class Targets:
 def lookback_seconds(targets: Targets) -> float:
     """How far back rates are measured: LOOKBACK_INTERVALS intervals, and never under MIN_LOOKBACK_SECONDS."""
     return max(LOOKBACK_INTERVALS * targets.interval_seconds, MIN_LOOKBACK_SECONDS)
+
+
+def up_window_seconds(targets: Targets) -> float:
+    """The stabiliser's window for a rate-based scale-up: the configured one, and never under the lookback
+    plus half an interval (rates span the lookback, so one burst interval lifts every recommendation made
+    within it; half an interval of slack for scrape jitter)."""
+    return max(targets.scale_up_stabilization_seconds, lookback_seconds(targets) + 0.5 * targets.interval_seconds)
+
+
+def decision_lag_seconds(targets: Targets) -> float:
+    """How far behind the arrivals a rate-based scale-up is asked for, before any pod starts: a rate is the
+    mean over the lookback (centred half of it back), the stabiliser takes the lowest recommendation over
+    its up window (on a rising load, the oldest), and the next decision is up to an interval away."""
+    return 0.5 * lookback_seconds(targets) + up_window_seconds(targets) + targets.interval_seconds
 
 
 @dataclass(frozen=True)
@@ -298,17 +315,20 @@ def prefill_pods(*, rate: float, uncached: float, throughput: float, target: flo
     return rate * uncached / (throughput * utilisation), utilisation, reachable
 
 
-def backlog_step(backlog: float, *, current: int, tolerance: float) -> int | None:
-    """``current + 1`` when the work held now needs more than ``current`` pods (outside the dead band), else None.
+def backlog_step(backlog: float, *, current: int, tolerance: float, sustained: float) -> int | None:
+    """Pods for the work held now when it needs more than ``current`` (outside the dead band), else None.
 
     A backlog says the pods are short now, not by how much for long: it also holds what queued while they
-    were short, which the pods drain once there are enough (sized on it, a 10x overload asked for 5 pods
-    where 3 serve the rate, then gave two back in the peak). So one pod now, through the short window; the
-    rates, once their lookback has seen the load, ask for the rest through theirs.
+    were short, which the pods drain once there are enough (sized on the backlog alone, a 10x overload asked
+    for 5 pods where 3 serve the rate, then gave two back in the peak). So the step is bounded twice: by
+    ``sustained``, the pods the rates ask for (what is needed once the queue has drained), and by doubling
+    the role (HPA's 100% per period). It is always at least one pod: right after a step the rates' lookback
+    has not seen it yet, and the backlog alone says the pods there are fall behind.
     """
-    if round_with_tolerance(backlog, current=current, tolerance=tolerance) > current:
-        return current + 1
-    return None
+    needed = round_with_tolerance(backlog, current=current, tolerance=tolerance)
+    if needed <= current:
+        return None
+    return max(current + 1, min(needed, 2 * current, math.ceil(sustained - 1e-9)))
 
 
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
@@ -367,7 +387,7 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         if reachable:
             backlog = held * alone / (target - alone)
             numbers["backlog_pods"] = backlog
-            urgent = backlog_step(backlog, current=current, tolerance=tolerance)
+            urgent = backlog_step(backlog, current=current, tolerance=tolerance, sustained=pods)
             if urgent is not None:
                 why += f"; {held:.0f} in flight now: {backlog:.3g} pods start the next within TTFT"
             hold = max(hold, min(backlog, current + 1.0))
@@ -480,7 +500,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
         slots = held / batch
         numbers["in_flight_now"], numbers["backlog_pods"] = held, slots
-        urgent = backlog_step(slots, current=current, tolerance=tolerance)
+        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods)
         if urgent is not None:
             why += (f"; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill): {slots:.3g} pods of "
                     f"{batch:.3g}")
@@ -506,7 +526,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         # slope the rates cannot say how few pods would do.
         cap = learned.batch_cap
         slots = held / cap
-        urgent = backlog_step(slots, current=current, tolerance=tolerance)
+        # Without the slope no rate says what the role needs once the queue drains: one pod at a time.
+        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=current + 1.0)
         pods = max(float(current), in_flight / cap, slots)
         numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots)
         why = (f"batch slope not fitted yet; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill), "
@@ -692,11 +713,13 @@ class ReactivePolicy:
 
 
 class PredictivePolicy:
-    """The demand forecast one start-up time (plus an interval: the next decision) ahead.
+    """The demand forecast one start-up time plus the planner's own decision lag ahead.
 
-    Up: the pods the model needs now, times the forecast's growth over the horizon (at most MAX_GROWTH), so
-    pods asked for now are Ready when the demand they are for arrives. Down: the hold is raised to the
-    pods the highest forecast over the next start-up time plus the scale-down window needs, so a role
+    The horizon is the time from the demand the rates measured to pods serving it: the decision lag
+    (``decision_lag_seconds``: half the lookback, the up window, an interval) and the role's learned
+    start-up time. Up: the pods the model needs now, times the forecast's growth over the horizon (at most
+    MAX_GROWTH), so pods asked for now are Ready when the demand they are for arrives. Down: the hold is
+    raised to the pods the highest forecast over the horizon plus the scale-down window needs, so a role
     does not shed a pod it would have to start again before the window ends.
     """
 
@@ -706,7 +729,7 @@ class PredictivePolicy:
         f = ctx.forecast
         if est.pods is None or est.demand is None or f.level is None or f.level <= 0:
             return est
-        horizon = ctx.startup_seconds + ctx.targets.interval_seconds
+        horizon = ctx.startup_seconds + decision_lag_seconds(ctx.targets)
         ahead = f.predict(horizon) or 0.0
         peak = f.peak(horizon + ctx.targets.scale_down_stabilization_seconds) or 0.0
         growth = min(MAX_GROWTH, ahead / f.level)
@@ -793,15 +816,13 @@ class Stabiliser:
             return current, "no recommendation"
         recommended = min(max(recommended, low), high)
         self.history.append((now, recommended, min(urgent or 0, high)))
-        rates_window = lookback_seconds(targets) + 0.5 * targets.interval_seconds
-        keep = max(targets.scale_up_stabilization_seconds, targets.scale_down_stabilization_seconds, rates_window)
+        up_seconds = up_window_seconds(targets)
+        keep = max(up_seconds, targets.scale_down_stabilization_seconds)
         while self.history and self.history[0][0] < now - keep - targets.interval_seconds:
             self.history.popleft()
-        # Rates span the lookback, so one burst interval lifts every recommendation made within it: the up
-        # window covers the lookback (half an interval of slack for scrape jitter), or a lone burst would pass
-        # as sustained demand and add a pod that is held through the peak. Requests held now are no such
-        # echo: an urgent recommendation needs only the configured window.
-        up_seconds = max(targets.scale_up_stabilization_seconds, rates_window)
+        # The up window covers the rates' lookback, or a lone burst would pass as sustained demand and add a
+        # pod that is held through the peak. Requests held now are no such echo: an urgent recommendation
+        # needs only the configured window.
         up = min(r for t, r, _ in self.history if t >= now - up_seconds)
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)

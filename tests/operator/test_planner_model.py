@@ -369,11 +369,12 @@ def test_decode_is_sized_ahead_from_prefill_arrivals() -> None:
     late = drive("decode", replicas=2, bounds=(1, 40), rates=rates)
     early = drive("decode", replicas=2, bounds=(1, 40), rates=rates, ahead=True)
     assert late[19][1] == early[19][1], (late[18:20], early[18:20])
-    # Without arrivals only the backlog at decode shows the step in time, and it asks for one pod (not
-    # a rate: the requests queued while the pods were short are no measure of the load).
-    assert late[21][1] <= late[19][1] + 1, late[19:22]
-    assert early[21][1] > late[21][1], (early[19:22], late[19:22])
-    assert "sized ahead" in early[19][2] or "sized ahead" in early[21][2], early[19:22]
+    # Without arrivals only the backlog at decode shows the step in time, and it at most doubles the role
+    # (the requests queued while the pods were short are no measure of the load); sized ahead, decode
+    # reaches the pods the new rate needs (16) two intervals sooner.
+    assert late[21][1] <= 2 * late[19][1], late[19:22]
+    assert early[23][1] >= 16 > late[23][1], (early[19:24], late[19:24])
+    assert any("sized ahead" in reason for _, _, reason in early[19:24]), early[19:24]
     # At a steady load arrivals say what decode sees: no change either way once settled.
     steady = drive("decode", replicas=2, bounds=(1, 40), rates=[15.0] * 40, ahead=True)
     assert len({r for _, r, _ in steady[20:]}) == 1, steady[20:]
@@ -516,7 +517,8 @@ def test_a_ramp_is_met_earlier_by_the_predictive_policy_when_pods_take_time_to_s
     rates = [1.0] * 8 + [1.0 + 0.25 * i for i in range(25)] + [7.0] * 10
     runs = {p: drive("prefill", replicas=2, bounds=(1, 20), rates=rates, startup=3, policy=p,
                      t=targets(scale_down_stabilization_seconds=60.0)) for p in ("reactive", "predictive")}
-    assert first_above(runs["predictive"], 3) < first_above(runs["reactive"], 3), runs
+    # Both double on the first backlog (2 -> 4); the pod after that comes earlier when sized ahead.
+    assert first_above(runs["predictive"], 4) < first_above(runs["reactive"], 4), runs
     assert shortfall(runs["predictive"], rates) < shortfall(runs["reactive"], rates), runs
     assert any("forecast x" in why for _, _, why in runs["predictive"])
     # Sized ahead, not pushed to the bounds.
@@ -529,7 +531,10 @@ def test_a_sinusoid_s_rising_edge_asks_early() -> None:
     for start in (1, 2):
         runs = {p: drive("prefill", replicas=start, bounds=(1, 20), rates=rates, startup=3, policy=p)
                 for p in ("reactive", "predictive")}
-        assert shortfall(runs["predictive"], rates) < shortfall(runs["reactive"], rates), runs
+        ahead, behind = shortfall(runs["predictive"], rates), shortfall(runs["reactive"], rates)
+        # From one pod the reactive planner falls behind the edge; from two its backlog step keeps up too.
+        assert ahead < behind if start == 1 else ahead <= behind, (start, ahead, behind, runs)
+        assert first_above(runs["predictive"], 4) <= first_above(runs["reactive"], 4), runs
 
 
 def test_a_steady_noisy_load_makes_no_change_under_the_predictive_policy_either() -> None:
