@@ -138,7 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before the first configuration, this much base-rate load on a throwaway 1 + 1 "
                              "deployment, unmeasured (0: none), so the first measured run does not start on "
                              "a cold cluster")
-    parser.add_argument("--keep", action="store_true", help="keep the cluster directory (logs) afterwards")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the cluster directory afterwards, its operator.log with every planner "
+                             "decision and its reason (the operator runs at DEBUG)")
 
 
 # ---- pure parts (unit-tested) --------------------------------------------------------------------------------
@@ -715,7 +717,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.kubectl("apply", "-f", "-", stdin=e2e.agent_rbac())
         cluster.kubectl("create", "namespace", NS)
         op = OperatorProcess(kubeconfig=cluster.kubeconfig, log_path=workdir / "operator.log", namespace=NS,
-                             lease_namespace=NS, resync_seconds=30).start()
+                             lease_namespace=NS, resync_seconds=30,
+                             extra_args=["--log-level", "DEBUG"] if args.keep else []).start()
         cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump({
             "apiVersion": vocab.API_VERSION, "kind": "KVPool", "metadata": {"name": "pool"},
             "spec": {"nodeSelector": {vocab.ACCELERATOR: "sunrise"},
