@@ -100,7 +100,7 @@ THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throu
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
 OUTPUT_DECAY = 0.8  # per interval with finished decode requests: the mean output length follows the workload
-QUEUED_WAITING = 0.5  # mean requests waiting in a window that says the pod ran all it could (DecodeLearning)
+QUEUED_WAITING = 1.0  # requests waiting at both ends of a window that says the pod ran all it could (DecodeLearning)
 SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the target without it (hysteresis)
 # The least utilisation prefill is planned at. Near (or past) the point where one request alone takes the
 # TTFT target, 1 - S/T goes to zero and the pod count to infinity, though no pod count brings the latency
@@ -237,9 +237,10 @@ class DecodeLearning:
     finished: float = 0.0
     # The most sequences a pod runs at once (vLLM's max_num_seqs, or what its KV blocks allow), learned from
     # windows in which requests waited while the running count stayed flat: a pod only queues when it runs
-    # all it can, so what it ran then is its cap (the highest such mean). None until a pod queued; until
-    # then the ITL target alone bounds the batch.
+    # all it can, so what it ran then is its cap (the highest such mean), and never less than the most any
+    # pod was seen running. None until a pod queued; until then the ITL target alone bounds the batch.
     batch_cap: float | None = None
+    ran_most: float = 0.0  # the most sequences any pod was seen running at a scrape
 
     def tokens_per_request(self) -> float | None:
         return self.produced / self.finished if self.finished >= 1.0 else None
@@ -247,12 +248,17 @@ class DecodeLearning:
     def observe(self, windows: Iterable[PodWindow]) -> None:
         windows = list(windows)
         for w in windows:
-            # Queued throughout and the running count flat: pinned at the cap. (A window in which the batch
-            # was still filling, running 1 -> 3 with a queue at its end, read a cap of 2 where the pods ran
-            # 4, and decode was sized double for a minute.)
-            if w.mean_waiting >= QUEUED_WAITING and abs(w.running_change) < 0.5 and w.mean_running >= 1.0:
+            self.ran_most = max(self.ran_most, w.mean_running + abs(w.running_change) / 2)
+            # Queued at both scrapes and the running count flat: pinned at the cap. (A window in which the
+            # batch was still filling, running 1 -> 3 with a queue at its end, read a cap of 2 where the pods
+            # ran 4. And a request loading its KV from the pool counts as waiting for a moment: one scrape
+            # that caught one read a cap of 2 on a pod that runs 4, and decode went to 3 pods at 0.3 req/s.)
+            queued_throughout = w.mean_waiting - abs(w.waiting_growth) / 2  # the fewer waiting at either end
+            if queued_throughout >= QUEUED_WAITING and abs(w.running_change) < 0.5 and w.mean_running >= 1.0:
                 ran = float(round(w.mean_running))
                 self.batch_cap = ran if self.batch_cap is None else max(self.batch_cap, ran)
+        if self.batch_cap is not None:
+            self.batch_cap = max(self.batch_cap, float(round(self.ran_most)))
         produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
         finished = sum(w.requests for w in windows if w.itl is not None and w.requests > 0)
         if finished > 0:

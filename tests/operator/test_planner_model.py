@@ -452,7 +452,13 @@ def test_decode_learns_the_pods_batch_cap_from_windows_in_which_requests_waited(
                         mean_waiting=0.6, running_change=2.0, waiting_growth=1.0, ttft=None, itl=None)
     learned.observe([filling])  # the batch was still filling (1 -> 3) when the queue formed: not the cap
     assert learned.batch_cap is None
-    learned.observe([w(3.6, 0.6), w(4.0, 2.0)])  # queued, running flat: the most it ran then
+    learned.observe([w(2.0, 0.5)])  # one scrape caught a request waiting (loading its KV): no queue
+    assert learned.batch_cap is None
+    learned.observe([w(3.0, 2.0), w(2.0, 1.0)])  # queued at both scrapes, running flat: the most it ran then
+    assert learned.batch_cap == 3.0
+    ran = PodWindow(pod="d", seconds=6.0, requests=1.0, uncached_tokens=None, mean_running=3.0, mean_waiting=0.0,
+                    running_change=2.0, waiting_growth=0.0, ttft=None, itl=None)
+    learned.observe([ran])  # a pod ran 4 at once (2 -> 4): the cap is at least that
     assert learned.batch_cap == 4.0
     after = estimate_decode([w(4.0, 0.0)], target=0.08, learned=learned, current=1)
     assert after.pods == pytest.approx(150 * 0.08 / 4) and after.numbers["max_batch"] == 4.0
