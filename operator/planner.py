@@ -96,10 +96,13 @@ MAX_UTILISATION = 0.95  # never plan a prefill pod fuller than this, however loo
 LOOKBACK_INTERVALS = 2  # rates are measured over this many intervals (decisions are still made every interval)
 # ... and over no less than this: at a few requests per second a shorter window's rate is mostly Poisson noise.
 MIN_LOOKBACK_SECONDS = 6.0
-THROUGHPUT_DECAY = 0.98  # per interval with a busy pod: a learned prefill throughput fades slowly (the engine may have changed)
+# Fades per DECAY_SECONDS of planning, not per interval: at a 1 s interval a per-interval 0.98 faded a learned
+# throughput three times as fast as at 3 s, and prefill was sized for 0.62 utilisation where 0.70 held.
+DECAY_SECONDS = 3.0
+THROUGHPUT_DECAY = 0.98  # per DECAY_SECONDS with a busy pod: a learned prefill throughput fades slowly (the engine may have changed)
 FIT_POINTS = 64  # (batch, ITL) points kept per role for the decode fit
 MIN_BATCH_SPREAD = 1.0  # batches must differ by this much before the slope is trusted
-OUTPUT_DECAY = 0.8  # per interval with finished decode requests: the mean output length follows the workload
+OUTPUT_DECAY = 0.8  # per DECAY_SECONDS with finished decode requests: the mean output length follows the workload
 QUEUED_WAITING = 1.0  # requests waiting at both ends of a window that says the pod ran all it could (DecodeLearning)
 SCALE_IN_MARGIN = 0.2  # a pod goes only when the model meets (1 - this) x the target without it (hysteresis)
 # The least utilisation prefill is planned at. Near (or past) the point where one request alone takes the
@@ -114,7 +117,7 @@ STARTUP_DECAY = 0.5  # weight of the older start-up estimate when a new pod's ti
 # (themselves a lookback's mean) quickly; the trend more slowly, so one noisy interval is not a slope.
 HOLT_ALPHA = 0.5
 HOLT_BETA = 0.3
-HOLT_DAMPING = 0.9  # per interval ahead: the trend's reach tops out at nine intervals' worth of slope
+HOLT_DAMPING = 0.9  # per DECAY_SECONDS ahead: the trend's reach tops out at 27 s worth of slope
 # The trend counts only when the last TREND_POINTS demands have a least-squares slope TREND_T standard errors
 # from zero: a steady but noisy load's slope is noise (extrapolated over a start-up time it would resize pods).
 TREND_POINTS = 6
@@ -190,12 +193,13 @@ class PrefillLearning:
     when busy), and uncached tokens per request over the mean TTFT (TTFT is at least the prefill time: tight
     when requests did not queue). All are low by the batch factor for an engine that batches prefills (then
     the planner over-provisions, never under-). Lower bounds combine by maximum: the estimate is the largest
-    seen, fading by THROUGHPUT_DECAY per busy interval so a changed engine is relearned.
+    seen, fading by THROUGHPUT_DECAY per DECAY_SECONDS while busy so a changed engine is relearned.
     """
 
     tokens_per_second: float | None = None
 
-    def observe(self, windows: Iterable[PodWindow]) -> None:
+    def observe(self, windows: Iterable[PodWindow], *, seconds: float = DECAY_SECONDS) -> None:
+        """``seconds``: planning time since the last call (the interval), what the fading is measured in."""
         seen: list[float] = []
         for w in windows:
             if w.uncached_tokens is None or w.uncached_tokens <= 0:
@@ -214,7 +218,7 @@ class PrefillLearning:
         # let the estimate sink to the weak low-load bounds, which asked for more pods, which made every pod
         # idler still (the over-provisioning spiral of a long peak).
         busy = any(w.mean_running >= BUSY_RUNNING for w in windows)
-        decay = THROUGHPUT_DECAY if busy else 1.0
+        decay = THROUGHPUT_DECAY ** (seconds / DECAY_SECONDS) if busy else 1.0
         faded = None if self.tokens_per_second is None else self.tokens_per_second * decay
         if seen:
             self.tokens_per_second = max(seen) if faded is None else max(faded, max(seen))
@@ -245,7 +249,8 @@ class DecodeLearning:
     def tokens_per_request(self) -> float | None:
         return self.produced / self.finished if self.finished >= 1.0 else None
 
-    def observe(self, windows: Iterable[PodWindow]) -> None:
+    def observe(self, windows: Iterable[PodWindow], *, seconds: float = DECAY_SECONDS) -> None:
+        """``seconds``: planning time since the last call (the interval), what the fading is measured in."""
         windows = list(windows)
         for w in windows:
             self.ran_most = max(self.ran_most, w.mean_running + abs(w.running_change) / 2)
@@ -262,8 +267,9 @@ class DecodeLearning:
         produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
         finished = sum(w.requests for w in windows if w.itl is not None and w.requests > 0)
         if finished > 0:
-            self.produced = self.produced * OUTPUT_DECAY + produced
-            self.finished = self.finished * OUTPUT_DECAY + finished
+            decay = OUTPUT_DECAY ** (seconds / DECAY_SECONDS)
+            self.produced = self.produced * decay + produced
+            self.finished = self.finished * decay + finished
         for w in windows:
             point = batch_point(w)
             if point is not None:
@@ -579,13 +585,13 @@ class Forecast:
     The trend is used only while significant: the least-squares slope of the last ``TREND_POINTS``
     demands must be ``TREND_T`` standard errors from zero and agree in sign with Holt's. A steady load with
     Poisson noise then forecasts its level (no scale change), while a ramp or a rising edge is
-    extrapolated, damped (``HOLT_DAMPING``) so no horizon reaches past nine intervals' worth of slope.
+    extrapolated, damped (``HOLT_DAMPING`` per ``DECAY_SECONDS``) so no horizon reaches past 27 s worth of
+    slope, whatever the interval (damped per interval, a 1 s interval's forecast reached 9 s).
     """
 
     level: float | None = None
     trend: float = 0.0  # demand per second
     last: float | None = None  # when the level was last updated
-    step: float = 0.0  # seconds between the last two updates (the damping's unit)
     recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TREND_POINTS))
 
     def observe(self, *, now: float, value: float) -> None:
@@ -600,7 +606,7 @@ class Forecast:
         predicted = self.level + self.trend * dt
         level = HOLT_ALPHA * value + (1 - HOLT_ALPHA) * predicted
         self.trend = HOLT_BETA * (level - self.level) / dt + (1 - HOLT_BETA) * self.trend
-        self.level, self.last, self.step = max(0.0, level), now, dt
+        self.level, self.last = max(0.0, level), now
 
     def slope_t(self) -> float:
         """The t-statistic of the recent points' least-squares slope (0 with too few points or no spread)."""
@@ -628,13 +634,13 @@ class Forecast:
         """The demand ``horizon`` seconds after the last update; None before any."""
         if self.level is None:
             return None
-        if not self.significant() or self.step <= 0:
+        if not self.significant():
             return self.level
-        # Damped (Gardner): the k-th interval ahead adds HOLT_DAMPING**k of a step, so a long horizon (a
+        # Damped (Gardner): the k-th DECAY_SECONDS ahead adds HOLT_DAMPING**k of its slope, so a long horizon (a
         # start-up plus the scale-down window) cannot carry a rising edge past the crest it is heading for.
-        n = horizon / self.step
+        n = horizon / DECAY_SECONDS
         steps = HOLT_DAMPING * (1 - HOLT_DAMPING ** n) / (1 - HOLT_DAMPING)
-        return max(0.0, self.level + self.trend * self.step * steps)
+        return max(0.0, self.level + self.trend * DECAY_SECONDS * steps)
 
     def peak(self, horizon: float) -> float | None:
         """The most demand forecast over the next ``horizon`` seconds (a line peaks at one of its ends)."""
@@ -928,12 +934,12 @@ class RolePlanner:
             self.unsettled_at = now
         settled_seconds = now - self.unsettled_at
         if self.role == "prefill":
-            self.prefill.observe(windows)
+            self.prefill.observe(windows, seconds=targets.interval_seconds)
             est = estimate_prefill(windows, target=targets.ttft_seconds, learned=self.prefill, current=current,
                                    settled_seconds=settled_seconds, lookback_seconds=lookback,
                                    margin=targets.scale_in_margin, tolerance=targets.tolerance)
         else:
-            self.decode.observe(windows)
+            self.decode.observe(windows, seconds=targets.interval_seconds)
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
                                   margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,

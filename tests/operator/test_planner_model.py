@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -665,3 +666,26 @@ def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner()
 
     wall = datetime.fromisoformat("2026-12-02T08:00:30+00:00").timestamp()
     assert ready_at(pods, now_wall=wall, now=1000.0) == {"p1": 970.0, "p3": 1000.0}
+
+
+def test_what_the_planner_learned_fades_per_second_whatever_the_interval() -> None:
+    # A learned prefill throughput fades while pods are busy (the engine may have changed), per second of
+    # planning: at a 1 s interval the per-interval fade ran three times as fast as at 3 s, and prefill was
+    # sized for a lower throughput than it had.
+    from daybreak.operator.planner import PrefillLearning
+
+    busy = PodWindow(pod="p", seconds=6.0, requests=1.0, uncached_tokens=60.0, mean_running=1.0, mean_waiting=0.0,
+                     running_change=0.0, waiting_growth=0.0, ttft=None, itl=None)
+    idle_but_running = dataclasses.replace(busy, uncached_tokens=0.0)
+    fast, slow = PrefillLearning(), PrefillLearning()
+    fast.observe([busy], seconds=1.0)
+    slow.observe([busy], seconds=3.0)
+    assert fast.tokens_per_second == slow.tokens_per_second == 10.0  # 60 tokens over 6 s
+    for _ in range(30):
+        fast.observe([idle_but_running], seconds=1.0)
+    for _ in range(10):
+        slow.observe([idle_but_running], seconds=3.0)
+    assert fast.tokens_per_second is not None and slow.tokens_per_second is not None
+    assert fast.tokens_per_second == pytest.approx(slow.tokens_per_second)
+    assert fast.tokens_per_second == pytest.approx(10.0 * 0.98**10)
+
