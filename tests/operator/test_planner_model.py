@@ -12,6 +12,7 @@ import pytest
 
 from daybreak.operator.engine_metrics import Histogram, PodSample, PodWindow, parse_metrics
 from daybreak.operator.planner import (
+    Decision,
     DecodeLearning,
     RolePlanner,
     Targets,
@@ -136,10 +137,11 @@ class FluidRole:
 
 def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[float],
           t: Targets | None = None, startup: int = 0, ahead: bool = False, policy: str = "reactive",
-          planner: RolePlanner | None = None) -> list[tuple[float, int, str]]:
+          planner: RolePlanner | None = None, decisions: list[Decision] | None = None) -> list[tuple[float, int, str]]:
     """Run the planner one decision per interval; new pods serve after ``startup`` intervals (0: at once).
 
     ``ahead`` (decode): pass prefill's arrival rate, which is the rate decode sees one interval later.
+    ``decisions``: when given, every Decision is appended to it (for its numbers).
 
     Returns (time, replicas, reason) per interval.
     """
@@ -154,6 +156,8 @@ def drive(role: str, *, replicas: int, bounds: tuple[int, int], rates: list[floa
         now += INTERVAL
         decision = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=replicas,
                                 bounds=bounds, targets=t, arrivals=arrivals[i] if ahead else None)
+        if decisions is not None:
+            decisions.append(decision)
         replicas = decision.desired
         fluid.resize(replicas)
         trail.append((now, replicas, decision.reason))
@@ -676,19 +680,18 @@ def test_what_the_planner_learned_fades_per_second_whatever_the_interval() -> No
 
     busy = PodWindow(pod="p", seconds=6.0, requests=1.0, uncached_tokens=60.0, mean_running=1.0, mean_waiting=0.0,
                      running_change=0.0, waiting_growth=0.0, ttft=None, itl=None)
-    idle_but_running = dataclasses.replace(busy, uncached_tokens=0.0)
+    busy_no_prompt = dataclasses.replace(busy, uncached_tokens=0.0)  # running, nothing computed: only the fade
     fast, slow = PrefillLearning(), PrefillLearning()
     fast.observe([busy], seconds=1.0)
     slow.observe([busy], seconds=3.0)
     assert fast.tokens_per_second == slow.tokens_per_second == 10.0  # 60 tokens over 6 s
     for _ in range(30):
-        fast.observe([idle_but_running], seconds=1.0)
+        fast.observe([busy_no_prompt], seconds=1.0)
     for _ in range(10):
-        slow.observe([idle_but_running], seconds=3.0)
+        slow.observe([busy_no_prompt], seconds=3.0)
     assert fast.tokens_per_second is not None and slow.tokens_per_second is not None
     assert fast.tokens_per_second == pytest.approx(slow.tokens_per_second)
     assert fast.tokens_per_second == pytest.approx(10.0 * 0.98**10)
-
 
 
 def test_a_predictive_role_is_held_back_only_by_the_demand_it_measured_not_by_its_forecast() -> None:
@@ -697,20 +700,15 @@ def test_a_predictive_role_is_held_back_only_by_the_demand_it_measured_not_by_it
     # (4.97 -> 5.57 req/s) waited for the pods asked for "at 7.12" (the forecast's growth changes with its
     # horizon, and the horizon with the learned start-up time).
     rates = [1.0] * 8 + [1.0 + 0.5 * i for i in range(12)]
-    fluid = FluidRole("prefill", 2, startup=2)
-    planner = RolePlanner("prefill", policy=policy_for("predictive"))
-    replicas, now, waited, asked_at = 2, 0.0, [], None
-    for rate in rates:
-        fluid.advance(rate, INTERVAL)
-        now += INTERVAL
-        decision = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=replicas,
-                                bounds=(1, 40), targets=targets())
-        measured = decision.numbers.get("arrival_rate", 0.0)
-        if "waiting for the pods asked for" in decision.reason:
+    decisions: list[Decision] = []
+    drive("prefill", replicas=2, bounds=(1, 40), rates=rates, startup=2, policy="predictive", decisions=decisions)
+    waited, asked_at = [], None
+    for d in decisions:
+        measured = d.numbers.get("arrival_rate", 0.0)
+        if "waiting for the pods asked for" in d.reason:
             waited.append((measured, asked_at))
-        if decision.desired > replicas:
+        if d.desired > d.current:
             asked_at = measured
-        replicas = decision.desired
-        fluid.resize(replicas)
+    replicas = decisions[-1].desired
     assert replicas > 2
     assert all(asked is not None and measured <= asked * 1.1 + 1e-9 for measured, asked in waited), waited
