@@ -12,13 +12,15 @@ ONE credential precedence everywhere: a credential given to the process (a flag,
 config) replaces the environment's; within one source a credential file wins over an inline token
 (``client.env.read_pool_token``).
 
-The vLLM ``--kv-transfer-config`` is built here once too (``vllm_kv_transfer_config``).
+The vLLM ``--kv-transfer-config`` is built here once too (``vllm_kv_transfer_config``), and the one engine
+flag the operator reads back from ``engine.args`` is parsed here (``max_num_seqs``): vLLM's ``--max-num-seqs``,
+which the sim engine takes under the same name.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -26,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from daybreak.api.kvcompat import KVLayout
 from daybreak.errors import DaybreakError
 
-__all__ = ["ENV_PREFIX", "ENV_VARS", "VLLM_CONNECTOR", "VLLM_CONNECTOR_MODULE", "EnginePodEnv", "EnginePodEnvError", "EngineRole",
-           "VllmKVRole", "vllm_kv_transfer_config"]
+__all__ = ["ENV_PREFIX", "ENV_VARS", "MAX_NUM_SEQS_FLAGS", "VLLM_CONNECTOR", "VLLM_CONNECTOR_MODULE", "EnginePodEnv",
+           "EnginePodEnvError", "EngineRole", "VllmKVRole", "max_num_seqs", "vllm_kv_transfer_config"]
 
 ENV_PREFIX = "DAYBREAK_"
 
@@ -155,3 +157,28 @@ def vllm_kv_transfer_config(*, kv_role: str, extra: Mapping[str, Any] | None = N
     if load_failure_policy is not None:
         config["kv_load_failure_policy"] = load_failure_policy
     return config
+
+
+# vLLM's flag for the most sequences a pod runs at once; the sim engine's older spelling is still read.
+MAX_NUM_SEQS_FLAGS = ("--max-num-seqs", "--max-batch")
+
+
+def max_num_seqs(args: Sequence[str]) -> int | None:
+    """The running-sequence cap an engine's command line sets (``--max-num-seqs N`` or ``=N``), else None.
+
+    The last occurrence wins, as with argparse. None also when the value does not parse: the engine itself
+    refuses such a flag at start-up, and the planner then learns the cap from queues instead.
+    """
+    found: int | None = None
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name not in MAX_NUM_SEQS_FLAGS:
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            parsed = int(value)
+        except ValueError:
+            found = None
+            continue
+        found = parsed if parsed >= 1 else None
+    return found

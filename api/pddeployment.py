@@ -86,7 +86,8 @@ class EngineSpec(ApiModel):
     image: str | None = Field(default=None, min_length=1)
     """Engine container image; the sim engine defaults to the operator's own image."""
     args: list[str] = Field(default_factory=list)
-    """Extra command-line arguments for the engine."""
+    """Extra command-line arguments for the engine. The autoscaler reads --max-num-seqs N from them (decode's
+    batch cap); without it the cap is learned from queues."""
     env: list[EnvVar] = env_field()
     """Extra environment variables for the engine container."""
 

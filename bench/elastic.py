@@ -97,7 +97,7 @@ DECODE_PER_SEQUENCE_SECONDS = 0.006
 # every running sequence past the ITL target (a batch of 19 at 250 ms when one decode pod took the 4x step).
 MAX_BATCH = 4
 ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds", f"{PREFILL_PER_TOKEN_SECONDS:g}",
-               "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--max-batch", str(MAX_BATCH),
+               "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--max-num-seqs", str(MAX_BATCH),
                "--drain-seconds", "20"]
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import aiohttp
 from pydantic import ValidationError
 
+from daybreak.api.enginepod import max_num_seqs
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
@@ -186,7 +187,8 @@ class Autoscaler:
                                     arrivals=arrivals if role is Role.DECODE else None,
                                     prefilling=prefilling if role is Role.DECODE else 0.0,
                                     ready_at=ready_at(pods, now_wall=time.time(), now=now), held=held,
-                                    prefill_left=prefill_left if role is Role.DECODE else 0)
+                                    prefill_left=prefill_left if role is Role.DECODE else 0,
+                                    max_num_seqs=max_num_seqs(pdd.spec.engine.args) if role is Role.DECODE else None)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
                 prefilling = decision.numbers.get("in_flight_now", 0.0)

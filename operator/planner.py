@@ -239,11 +239,15 @@ class DecodeLearning:
     # length that turns prefill's arrival rate into decode's coming tokens per second.
     produced: float = 0.0
     finished: float = 0.0
-    # The most sequences a pod runs at once (vLLM's max_num_seqs, or what its KV blocks allow), learned from
-    # windows in which requests waited while the running count stayed flat: a pod only queues when it runs
-    # all it can, so what it ran then is its cap (the highest such mean), and never less than the most any
-    # pod was seen running. None until a pod queued; until then the ITL target alone bounds the batch.
+    # The most sequences a pod runs at once. Read from the engine's command line when it sets one
+    # (``configured``: vLLM's --max-num-seqs in engine.args); else learned from windows in which requests
+    # waited while the running count stayed flat: a pod only queues when it runs all it can, so what it ran
+    # then is its cap (the highest such mean), and never less than the most any pod was seen running. None
+    # until a pod queued; until then the ITL target alone bounds the batch. Learning needs a queue that lasts
+    # a lookback, which a short burst may never give: on the Azure trace decode stayed at one pod for 20 s of
+    # its burst with neither a slope nor a learned cap.
     batch_cap: float | None = None
+    configured: float | None = None
     ran_most: float = 0.0  # the most sequences any pod was seen running at a scrape
 
     def tokens_per_request(self) -> float | None:
@@ -262,7 +266,9 @@ class DecodeLearning:
             if queued_throughout >= QUEUED_WAITING and abs(w.running_change) < 0.5 and w.mean_running >= 1.0:
                 ran = float(round(w.mean_running))
                 self.batch_cap = ran if self.batch_cap is None else max(self.batch_cap, ran)
-        if self.batch_cap is not None:
+        if self.configured is not None:
+            self.batch_cap = self.configured  # the engine was told: nothing to learn
+        elif self.batch_cap is not None:
             self.batch_cap = max(self.batch_cap, float(round(self.ran_most)))
         produced = sum(w.itl.count for w in windows if w.itl is not None and w.requests > 0)
         finished = sum(w.requests for w in windows if w.itl is not None and w.requests > 0)
@@ -538,10 +544,14 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         # slope the rates cannot say how few pods would do.
         cap = learned.batch_cap
         slots = held / cap
-        # Without the slope no rate says what the role needs once the queue drains: one pod at a time.
-        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=current + 1.0)
+        # Without the slope the rates still bound what the role needs once the queue drains: the tokens/s
+        # coming at the ITL measured keep tokens x ITL sequences running (Little), at most ``cap`` a pod. The
+        # ITL measured at a smaller batch is low, so this bound is too: the backlog's step is never cut below
+        # one pod.
+        sustained = tokens * mean_itl / cap if mean_itl is not None else 0.0
+        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=max(current + 1.0, sustained))
         pods = max(float(current), in_flight / cap, slots)
-        numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots)
+        numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots, sustained_pods=sustained)
         why = (f"batch slope not fitted yet; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill), "
                f"at most {cap:g} per pod: {slots:.3g} pods")
         return Estimate(pods, why, numbers, hold=pods, settled=settled, demand=tokens + queued, urgent=urgent)
@@ -790,8 +800,8 @@ class Stabiliser:
 
     Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step;
     the window is never shorter than the rates' lookback plus half an interval (one burst interval is not
-    demand). The pod a backlog asks for (``Estimate.urgent``: the work held, not a rate) needs only the
-    configured window, and at least two scrapes.
+    demand). The pods a backlog asks for (``Estimate.urgent``: the work held, not a rate) need only the
+    configured window, and at least two scrapes; the maximum step bounds them too.
     Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
     window), and the window is also measured from the role's last scale-up: the recommendations made
     while the added pods were still starting (or the load was still climbing) say little, and a step up
@@ -843,7 +853,8 @@ class Stabiliser:
         short = max(targets.scale_up_stabilization_seconds, 1.5 * targets.interval_seconds)
         pressed = min(u for t, _, u in self.history if t >= now - short)
         if pressed > current:
-            return pressed, f"scale up: the work held asked for {pressed} over {short:g}s"
+            desired = min(pressed, current + targets.max_scale_up_step)
+            return desired, f"scale up: the work held asked for {pressed} over {short:g}s"
         down = max(max(r, u) for t, r, u in self.history if t >= now - targets.scale_down_stabilization_seconds)
         if down < current:
             window = targets.scale_down_stabilization_seconds
@@ -886,7 +897,7 @@ class RolePlanner:
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
              bounds: tuple[int, int], targets: Targets, arrivals: float | None = None,
              prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None, held: float | None = None,
-             prefill_left: int = 0) -> Decision:
+             prefill_left: int = 0, max_num_seqs: int | None = None) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
@@ -894,7 +905,8 @@ class RolePlanner:
         when each became Ready, on ``now``'s clock (None: a pod with a sample counts as Ready now), for the
         start-up time. ``held``: requests the router holds for lack of engines (None: no router reports it;
         then the role never goes to zero). ``prefill_left`` (decode only): prefill pods that still exist,
-        terminating ones included (decode goes to zero only after them).
+        terminating ones included (decode goes to zero only after them). ``max_num_seqs`` (decode): the
+        running-sequence cap the engine's command line sets (None: learned from queues).
         """
         pods = list(pods)
         high = bounds[1]
@@ -939,6 +951,7 @@ class RolePlanner:
                                    settled_seconds=settled_seconds, lookback_seconds=lookback,
                                    margin=targets.scale_in_margin, tolerance=targets.tolerance)
         else:
+            self.decode.configured = float(max_num_seqs) if max_num_seqs is not None else None
             self.decode.observe(windows, seconds=targets.interval_seconds)
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
@@ -979,7 +992,9 @@ class RolePlanner:
                 desired, why = 1, f"{why}, but {keep}"
                 self.stabiliser.last_current = 1
         if desired > current:
-            self.sized_for = measured
+            # Only pods that cover what the model asked for are "the pods asked for at this demand": a step
+            # cut short (the backlog's bounded step, the maximum step) leaves the rest still wanted.
+            self.sized_for = measured if recommended is not None and desired >= recommended else None
             self.startup.asked(now=now, count=desired - current)
         elif desired < current:
             self.startup.dropped()

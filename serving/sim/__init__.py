@@ -124,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pool", action="store_true",
                         help="run without a pool: the engine-local prefix cache only (benchmark baseline)")
     defaults = EngineConfig()
-    parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
-                        help=f"running sequences at most (default {defaults.max_batch})")
+    parser.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=defaults.max_batch,
+                        help=f"running sequences at most, vLLM's flag (the planner reads it from engine.args; "
+                             f"default {defaults.max_batch})")
     parser.add_argument("--max-step-tokens", type=int, default=defaults.max_step_tokens,
                         help=f"token budget of one step, the chunked-prefill size (default {defaults.max_step_tokens})")
     parser.add_argument("--local-cache-blocks", type=int, default=defaults.local_cache_blocks,

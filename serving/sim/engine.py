@@ -198,9 +198,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
-            raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_batch}")
         if self.max_step_tokens < self.max_batch:
-            raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be at least --max-batch "
+            raise ValueError(f"--max-step-tokens ({self.max_step_tokens}) must be at least --max-num-seqs "
                              f"({self.max_batch}): every decode row needs a token of the budget")
         if self.block_tokens < 1 or self.block_bytes < 1:
             raise ValueError("block tokens and block bytes must be positive")

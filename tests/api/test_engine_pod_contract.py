@@ -20,10 +20,11 @@ from daybreak.api.enginepod import (
     ENV_VARS,
     EnginePodEnv,
     EnginePodEnvError,
+    max_num_seqs,
     vllm_kv_transfer_config,
 )
 from daybreak.api.kvpool import KVPool
-from daybreak.api.pddeployment import PDDeployment
+from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.client.env import POOL_TLS_CA_ENV
 from daybreak.connectors.blocks import PoolSettings
 from daybreak.operator import deployment as dep
@@ -207,3 +208,23 @@ def test_a_pool_without_shm_keeps_engines_off_shared_memory() -> None:
     sim.add_arguments(parser)
     assert sim.settings_from(parser.parse_args([]), env=env).client_transport == "tcp"
     assert PoolSettings.resolve({}, env, discover=lambda ref, **_: ["10.0.1.1:7400"]).client_transport == "tcp"
+
+
+@pytest.mark.parametrize("args", [["--max-num-seqs", "6"], ["--max-num-seqs=6"], ["--max-batch", "6"],
+                                  ["--max-num-seqs", "2", "--time-scale", "2", "--max-num-seqs", "6"]])
+def test_the_planner_reads_the_batch_cap_the_sim_engine_runs_with(args: list[str]) -> None:
+    # The planner's decode cap comes from engine.args (vLLM's flag); the sim engine must run with that cap.
+    pdd, _ = _objects("pddeployment-sim.yaml", "kvpool-minimal.yaml")
+    pdd = pdd.model_copy(update={"spec": pdd.spec.model_copy(update={
+        "engine": pdd.spec.engine.model_copy(update={"args": args})})})
+    command = dep.engine_command(pdd, Role.DECODE)
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    engine = parser.parse_args(command[2:]).max_batch
+    assert max_num_seqs(pdd.spec.engine.args) == engine == 6
+
+
+@pytest.mark.parametrize("args", [[], ["--max-num-seqs"], ["--max-num-seqs", "many"], ["--max-num-seqs=0"],
+                                  ["--max-num-batched-tokens", "4"], ["--max-num-seqs", "4", "--max-num-seqs=x"]])
+def test_no_cap_is_read_from_args_that_do_not_set_one(args: list[str]) -> None:
+    assert max_num_seqs(args) is None

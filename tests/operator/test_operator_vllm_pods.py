@@ -55,7 +55,7 @@ def test_vllm_pods_load_daybreaks_connector_with_a_role_each_and_the_users_args_
         assert config == {"kv_connector": "DaybreakConnector", "kv_connector_module_path": "daybreak.connectors.vllm",
                           "kv_role": kv_role, "kv_load_failure_policy": "recompute",
                           "kv_connector_extra_config": {}}
-        assert command[-4:] == ["--tensor-parallel-size", "4", "--max-model-len", "32768"]
+        assert command[-6:] == ["--tensor-parallel-size", "4", "--max-model-len", "32768", "--max-num-seqs", "256"]
         assert not any("token" in part.lower() for part in command)  # the secret stays in the environment
 
 

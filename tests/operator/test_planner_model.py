@@ -485,6 +485,40 @@ def test_before_the_decode_slope_is_fitted_a_pod_that_queued_asks_for_the_slots_
     assert est.urgent == 2 and est.pods == pytest.approx(9 / 4), est
 
 
+def test_a_decode_cap_set_on_the_engine_command_line_sizes_a_burst_before_any_slope_or_queue_was_learned() -> None:
+    # The Azure trace's burst: one decode pod, short outputs (one batch size seen, no slope), and the queue has
+    # been there for two scrapes only (not a lookback: no cap learned from it). Told the engine runs at most 4
+    # sequences (--max-num-seqs 4 in engine.args), the 15 held need 3.75 pods; the rates (79.5 tokens/s at ITL
+    # 68 ms keep 5.4 sequences running: 1.35 pods of 4) bound the backlog's step, which is never under one pod.
+    # Not told, the planner has nothing to size the burst on and stays at one pod.
+    t = targets(interval_seconds=1.0, scale_up_stabilization_seconds=1.0, itl_seconds=0.08)
+
+    def sample(now: float, *, running: float, waiting: float, tokens: float) -> PodSample:
+        itl = Histogram(((float("inf"), tokens),), 0.068 * tokens, tokens)
+        return PodSample(pod="d-1", time=now, running=running, waiting=waiting, itl=itl,
+                         ttft=Histogram(((float("inf"), tokens / 27),), 0.1 * tokens / 27, tokens / 27))
+
+    def last(max_num_seqs: int | None) -> Decision:
+        planner = RolePlanner("decode")
+        decision = None
+        calm = [sample(float(i), running=1.0, waiting=0.0, tokens=15.0 * i) for i in range(8)]
+        burst = [sample(8.0, running=4.0, waiting=10.0, tokens=15.0 * 7 + 60.0),
+                 sample(9.0, running=4.0, waiting=11.0, tokens=15.0 * 7 + 120.0)]
+        for s in [*calm, *burst]:
+            decision = planner.step(now=s.time, pods=["d-1"], samples={"d-1": s}, current=1, bounds=(1, 4),
+                                    targets=t, max_num_seqs=max_num_seqs)
+        assert decision is not None
+        assert planner.decode.fit() is None
+        return decision
+
+    told = last(4)
+    assert told.numbers["batch_cap"] == 4.0 and told.numbers["backlog_pods"] == pytest.approx(15 / 4), told
+    assert told.numbers["sustained_pods"] == pytest.approx(79.5 * 0.068 / 4), told
+    assert told.desired == 2 and "work held" in told.reason, told
+    blind = last(None)
+    assert blind.desired == 1 and "batch_cap" not in blind.numbers and "not fitted" in blind.reason, blind
+
+
 # -- forecast, start-up time, policies, scale to zero -------------------------------------------------------------
 def first_above(trail: list[tuple[float, int, str]], level: int) -> float:
     return next(t for t, r, _ in trail if r > level)

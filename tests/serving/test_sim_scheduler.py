@@ -183,5 +183,5 @@ def test_a_prefill_engine_answers_after_one_token_and_an_aborted_request_frees_i
 def test_config_refuses_a_step_budget_smaller_than_the_batch() -> None:
     with pytest.raises(ValueError, match="max-step-tokens"):
         EngineConfig(max_batch=64, max_step_tokens=32)
-    with pytest.raises(ValueError, match="max-batch"):
+    with pytest.raises(ValueError, match="max-num-seqs"):
         EngineConfig(max_batch=0)
