@@ -22,9 +22,10 @@ under vLLM's names, so the same planner drives the sim engine and vLLM:
 Rates need a lookback to be more than Poisson noise; the work the pods hold at
 the last scrape (requests running + waiting) needs none. So besides the rate,
 a backlog that the pods there are cannot clear within the target (prefill: the
-next request would start too late; decode: the sequences held need more batch
-slots) asks for more pods through a short window (``backlog_step``): a step
-shows in the requests held an interval or two before the rates have seen it.
+next request would start too late; decode: the sequences held would wait for a
+batch slot longer than the TTFT target leaves after prefill, ``decode_slot_pods``)
+asks for more pods through a short window (``backlog_step``): a step shows in
+the requests held an interval or two before the rates have seen it.
 The backlog's step is one pod, or up to double the role once the rates agree
 that many are needed (a backlog alone also holds what queued while the pods
 were short, which they drain once there are enough).
@@ -349,6 +350,21 @@ def backlog_step(backlog: float, *, current: int, tolerance: float, sustained: f
     return max(current + 1, min(needed, 2 * current, math.ceil(sustained - 1e-9)))
 
 
+def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float | None, wait: float) -> float:
+    """Pods for ``held`` decode sequences when each may wait up to ``wait`` seconds for a batch slot.
+
+    ``n`` pods run ``n x batch`` sequences and each slot frees once its sequence ends, every
+    ``seconds_per_sequence`` (output tokens x ITL) on average, so within ``wait`` they start another
+    ``n x batch x wait / seconds_per_sequence``: ``n >= held / (batch x (1 + wait / seconds_per_sequence))``.
+    With no wait allowed, or no output length learned, every sequence needs a slot now: ``held / batch``.
+    (A slot for every sequence asked 4 decode pods for a burst that 2-3 serve within the TTFT target, and
+    one queued sequence of a Poisson burst added a pod for it.)
+    """
+    if seconds_per_sequence is None or seconds_per_sequence <= 0 or wait <= 0:
+        return held / batch
+    return held / (batch * (1.0 + wait / seconds_per_sequence))
+
+
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
                      settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
                      margin: float = SCALE_IN_MARGIN, tolerance: float = 0.1) -> Estimate:
@@ -449,7 +465,7 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
                     margin: float = SCALE_IN_MARGIN, arrivals: float | None = None,
-                    prefilling: float = 0.0, tolerance: float = 0.1) -> Estimate:
+                    prefilling: float = 0.0, tolerance: float = 0.1, wait: float = 0.0) -> Estimate:
     """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
 
     ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
@@ -459,7 +475,9 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     As for prefill, the sequences held now bound the pods from below (each needs a slot in a batch within the
     target), counted at the last scrape: urgent when that alone asks for more pods. ``prefilling``: the
     requests prefill holds now, each a decode sequence one prefill from now (decode's own count showed a
-    burst only once prefill had passed it on, two to four seconds late).
+    burst only once prefill had passed it on, two to four seconds late). ``wait``: how long a sequence may
+    queue for a slot (what the TTFT target leaves after prefill): slots that free within it count
+    (``decode_slot_pods``).
     """
     settled = settled_seconds >= lookback_seconds
     if not windows:
@@ -516,8 +534,10 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
                    f"{target:g}s (ITL = {a:.3g} + {c:.3g} x batch)")
         if ahead:
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
-        slots = held / batch
-        numbers["in_flight_now"], numbers["backlog_pods"] = held, slots
+        # A slot frees every output-length x ITL; the ITL at the batch planned is at most the target.
+        lifetime = per_request * min(target, a + c * batch) if per_request is not None else None
+        slots = decode_slot_pods(held, batch=batch, seconds_per_sequence=lifetime, wait=wait)
+        numbers["in_flight_now"], numbers["backlog_pods"], numbers["slot_wait_s"] = held, slots, wait
         urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods)
         if urgent is not None:
             why += (f"; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill): {slots:.3g} pods of "
@@ -543,15 +563,18 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         # cap bounds every pod's batch, so the sequences held now need that many slots. Up only: without the
         # slope the rates cannot say how few pods would do.
         cap = learned.batch_cap
-        slots = held / cap
+        # The ITL measured is at a batch up to the cap: the target bounds the ITL a full pod would see.
+        lifetime = per_request * target if per_request is not None else None
+        slots = decode_slot_pods(held, batch=cap, seconds_per_sequence=lifetime, wait=wait)
         # Without the slope the rates still bound what the role needs once the queue drains: the tokens/s
         # coming at the ITL measured keep tokens x ITL sequences running (Little), at most ``cap`` a pod. The
         # ITL measured at a smaller batch is low, so this bound is too: the backlog's step is never cut below
         # one pod.
         sustained = tokens * mean_itl / cap if mean_itl is not None else 0.0
         urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=max(current + 1.0, sustained))
-        pods = max(float(current), in_flight / cap, slots)
-        numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots, sustained_pods=sustained)
+        pods = max(float(current), slots)
+        numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots, sustained_pods=sustained,
+                       slot_wait_s=wait)
         why = (f"batch slope not fitted yet; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill), "
                f"at most {cap:g} per pod: {slots:.3g} pods")
         return Estimate(pods, why, numbers, hold=pods, settled=settled, demand=tokens + queued, urgent=urgent)
@@ -897,7 +920,8 @@ class RolePlanner:
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
              bounds: tuple[int, int], targets: Targets, arrivals: float | None = None,
              prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None, held: float | None = None,
-             prefill_left: int = 0, max_num_seqs: int | None = None) -> Decision:
+             prefill_left: int = 0, max_num_seqs: int | None = None,
+             prefill_ttft: float | None = None) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
@@ -906,7 +930,9 @@ class RolePlanner:
         start-up time. ``held``: requests the router holds for lack of engines (None: no router reports it;
         then the role never goes to zero). ``prefill_left`` (decode only): prefill pods that still exist,
         terminating ones included (decode goes to zero only after them). ``max_num_seqs`` (decode): the
-        running-sequence cap the engine's command line sets (None: learned from queues).
+        running-sequence cap the engine's command line sets (None: learned from queues). ``prefill_ttft``
+        (decode only): prefill's TTFT p90 over the lookback; what the TTFT target leaves after it is how
+        long a sequence may wait for a decode slot (None: no wait allowed, a slot for every sequence).
         """
         pods = list(pods)
         high = bounds[1]
@@ -956,7 +982,8 @@ class RolePlanner:
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
                                   margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,
-                                  tolerance=targets.tolerance)
+                                  tolerance=targets.tolerance,
+                                  wait=max(0.0, targets.ttft_seconds - prefill_ttft) if prefill_ttft is not None else 0.0)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         demand = est.demand if est.demand is not None else (0.0 if est.pods == 0.0 else None)
         if demand is not None:

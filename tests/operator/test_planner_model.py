@@ -519,6 +519,30 @@ def test_a_decode_cap_set_on_the_engine_command_line_sizes_a_burst_before_any_sl
     assert blind.desired == 1 and "batch_cap" not in blind.numbers and "not fitted" in blind.reason, blind
 
 
+def test_a_decode_sequence_may_wait_for_a_slot_as_long_as_the_ttft_target_leaves_after_prefill() -> None:
+    # One decode pod of at most 4 sequences (ITL = 0.02 + 0.012 x batch: 68 ms at 4), 64-token outputs: a slot
+    # frees every 64 x 68 ms / 4 = 1.1 s. A Poisson burst puts a fifth sequence on it. With prefill's TTFT
+    # p90 at 1.2 s of the 4 s target, that sequence may wait 2.8 s: it starts in time, no pod is added
+    # (one was, for 27 s, in the step's last phase). With prefill already at the target, no wait is left.
+    learned = DecodeLearning(points={1: (1.0, 0.032), 3: (3.0, 0.056)}, batch_cap=4.0, configured=4.0,
+                             produced=640.0, finished=10.0)
+    w = PodWindow(pod="d", seconds=6.0, requests=1.0, uncached_tokens=None, mean_running=4.0, mean_waiting=0.5,
+                  running_change=0.0, waiting_growth=1.0, ttft=None,
+                  itl=Histogram(((float("inf"), 350.0),), 350 * 0.068, 350.0), in_flight_now=5.0)
+    room = estimate_decode([w], target=0.08, learned=learned, current=1, wait=4.0 - 1.2)
+    assert room.urgent is None and room.numbers["backlog_pods"] == pytest.approx(5 / (4 * (1 + 2.8 / 4.352))), room
+    none = estimate_decode([w], target=0.08, learned=learned, current=1, wait=0.0)
+    assert none.urgent == 2 and none.numbers["backlog_pods"] == pytest.approx(5 / 4), none
+    # The step's peak: 16 sequences (3 still in prefill) on 2 pods. A slot each asked for 4 pods; 2 s left of
+    # the target after prefill, 16 / (4 x 1.46) = 2.7 ask for 3.
+    peak = dataclasses.replace(w, in_flight_now=6.5)
+    pods = [peak, dataclasses.replace(peak, pod="e")]
+    est = estimate_decode(pods, target=0.08, learned=learned, current=2, prefilling=3.0, wait=2.0)
+    assert est.numbers["backlog_pods"] == pytest.approx(16 / (4 * (1 + 2 / 4.352))), est
+    assert est.urgent == 3, est
+    assert estimate_decode(pods, target=0.08, learned=learned, current=2, prefilling=3.0).urgent == 4
+
+
 # -- forecast, start-up time, policies, scale to zero -------------------------------------------------------------
 def first_above(trail: list[tuple[float, int, str]], level: int) -> float:
     return next(t for t, r, _ in trail if r > level)
