@@ -663,11 +663,12 @@ class Forecast:
         t = self.slope_t()
         return self.trend != 0.0 and abs(t) >= TREND_T and (t > 0) == (self.trend > 0)
 
-    def predict(self, horizon: float) -> float | None:
-        """The demand ``horizon`` seconds after the last update; None before any."""
+    def predict(self, horizon: float, *, trusted: bool | None = None) -> float | None:
+        """The demand ``horizon`` seconds after the last update; None before any. ``trusted``: whether the
+        trend counts (None: only while ``significant``)."""
         if self.level is None:
             return None
-        if not self.significant():
+        if not (self.significant() if trusted is None else trusted):
             return self.level
         # Damped (Gardner): the k-th DECAY_SECONDS ahead adds HOLT_DAMPING**k of its slope, so a long horizon (a
         # start-up plus the scale-down window) cannot carry a rising edge past the crest it is heading for.
@@ -675,9 +676,9 @@ class Forecast:
         steps = HOLT_DAMPING * (1 - HOLT_DAMPING ** n) / (1 - HOLT_DAMPING)
         return max(0.0, self.level + self.trend * DECAY_SECONDS * steps)
 
-    def peak(self, horizon: float) -> float | None:
+    def peak(self, horizon: float, *, trusted: bool | None = None) -> float | None:
         """The most demand forecast over the next ``horizon`` seconds (a line peaks at one of its ends)."""
-        ahead = self.predict(horizon)
+        ahead = self.predict(horizon, trusted=trusted)
         return None if ahead is None or self.level is None else max(self.level, ahead)
 
 
@@ -766,6 +767,12 @@ class PredictivePolicy:
     MAX_GROWTH), so pods asked for now are Ready when the demand they are for arrives. Down: the hold is
     raised to the pods the highest forecast over the horizon plus the scale-down window needs, so a role
     does not shed a pod it would have to start again before the window ends.
+
+    The trend counts while it is significant (``Forecast.significant``), or while the work held says the
+    pods are short now (``Estimate.urgent``) and Holt's trend rises: a backlog is evidence of its own that
+    the demand outruns the pods, independent of the rates' noise. Then the backlog's step asks for the
+    forecast's pods too (up to double the role), so a rising edge is caught up in one step, not one pod a
+    window behind it.
     """
 
     name = "predictive"
@@ -775,8 +782,10 @@ class PredictivePolicy:
         if est.pods is None or est.demand is None or f.level is None or f.level <= 0:
             return est
         horizon = ctx.startup_seconds + decision_lag_seconds(ctx.targets)
-        ahead = f.predict(horizon) or 0.0
-        peak = f.peak(horizon + ctx.targets.scale_down_stabilization_seconds) or 0.0
+        short = est.urgent is not None
+        trusted = f.significant() or (short and f.trend > 0)
+        ahead = f.predict(horizon, trusted=trusted) or 0.0
+        peak = f.peak(horizon + ctx.targets.scale_down_stabilization_seconds, trusted=trusted) or 0.0
         growth = min(MAX_GROWTH, ahead / f.level)
         staying = min(MAX_GROWTH, peak / f.level)
         numbers = dict(est.numbers, forecast_growth=growth, forecast_horizon_s=horizon, forecast_trend=f.trend)
@@ -786,9 +795,12 @@ class PredictivePolicy:
             reason += f"; forecast x{growth:.2f} in {horizon:.0f}s (start-up {ctx.startup_seconds:.0f}s): sized ahead"
         if staying > 1.0:
             hold = max(est.pods if hold is None else hold, est.pods * staying)
+        urgent = est.urgent
+        if est.urgent is not None and growth > 1.0:
+            urgent = max(est.urgent, min(2 * ctx.current, math.ceil(pods - 1e-9)))
         numbers["pods"] = pods
         return dataclasses.replace(est, pods=pods, hold=hold, reason=reason, numbers=numbers,
-                                   demand=est.demand * max(1.0, growth))
+                                   demand=est.demand * max(1.0, growth), urgent=urgent)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {"reactive": ReactivePolicy, "predictive": PredictivePolicy}

@@ -606,6 +606,25 @@ def test_a_sinusoid_s_rising_edge_asks_early() -> None:
         assert first_above(runs["predictive"], 4) <= first_above(runs["reactive"], 4), runs
 
 
+def test_a_backlog_lets_the_predictive_policy_trust_a_rising_trend_the_noise_test_would_not() -> None:
+    from daybreak.operator.planner import Estimate, Forecast, PolicyContext, PredictivePolicy
+
+    # A rising edge seen through noisy 1 s rates: Holt's trend rises, the 6-point test does not pass.
+    f = Forecast()
+    for i, v in enumerate([1.0, 1.3, 1.1, 1.6, 1.3, 1.8, 1.5, 2.0]):
+        f.observe(now=float(i), value=v)
+    assert f.trend > 0 and not f.significant()
+    t = targets(interval_seconds=1.0, scale_up_stabilization_seconds=1.0)
+    ctx = PolicyContext(role="prefill", now=7.0, current=2, targets=t, startup_seconds=1.0, forecast=f)
+    calm = Estimate(2.2, "rates", {}, demand=2.0)
+    assert PredictivePolicy().shape(calm, ctx).pods == 2.2  # no backlog: the noise test decides, no trend
+    # The work held says two pods are short now (the backlog's step: 3): the trend counts, and the step asks
+    # for the pods the forecast needs over the horizon, up to double the role.
+    short = PredictivePolicy().shape(dataclasses.replace(calm, urgent=3), ctx)
+    assert short.numbers["forecast_growth"] > 1.0 and short.pods > 2.2
+    assert short.urgent == min(4, math.ceil(short.pods)) and short.urgent > 3, short
+
+
 def test_a_steady_noisy_load_makes_no_change_under_the_predictive_policy_either() -> None:
     for role, rate, seed in (("prefill", 3.0, 1), ("prefill", 5.0, 2), ("decode", 10.0, 3)):
         trail = drive(role, replicas=2, bounds=(1, 20), rates=noisy(rate, 80, seed=seed, spread=0.15), startup=2,
