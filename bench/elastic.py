@@ -276,9 +276,13 @@ def trace_points(path: Path, *, sample: int, time_scale: float,
 
 def trace_stats(path: Path, *, sample: int, time_scale: float, seconds: float | None = None) -> TraceStats:
     """Read the trace (every ``sample``-th request, times x ``time_scale``, the first ``seconds`` only)."""
+    return stats_of(trace_points(path, sample=sample, time_scale=time_scale, seconds=seconds))
+
+
+def stats_of(points: Sequence[tuple[float, int, int]]) -> TraceStats:
+    """``TraceStats`` of ``trace_points``' output."""
     from daybreak.serving.load.trace import busiest_rate
 
-    points = trace_points(path, sample=sample, time_scale=time_scale, seconds=seconds)
     times = [at for at, _, _ in points]
     inputs = sum(i for _, i, _ in points)
     outputs = sum(o for _, _, o in points)
@@ -496,15 +500,15 @@ def sizing(args: argparse.Namespace) -> dict[str, Any]:
         return {"token_scale": (1.0, 1.0), "mean_rate": mean, "peak_rate": peak,
                 "fixed_peak_replicas": replicas(peak), "fixed_avg_replicas": replicas(mean),
                 **oracle(shape_rate(a), span=span, hold=a.down_window, replicas=replicas)}
-    stats = trace_stats(a.trace, sample=a.sample, time_scale=a.time_scale, seconds=a.trace_seconds)
+    points = trace_points(a.trace, sample=a.sample, time_scale=a.time_scale, seconds=a.trace_seconds)
+    stats = stats_of(points)
     factors = fit_token_scale(stats, ttft=a.ttft, itl=a.itl)
     work = trace_workload(stats, factor=factors[0], output_factor=factors[1])
 
     def fitted(rate: float) -> tuple[int, int]:
         return model_replicas(rate, ttft=a.ttft, itl=a.itl, **work)
 
-    times = [at for at, _, _ in trace_points(a.trace, sample=a.sample, time_scale=a.time_scale,
-                                              seconds=a.trace_seconds)]
+    times = [at for at, _, _ in points]
     span = a.trace_seconds if a.trace_seconds is not None else stats.span_s
     # The factors were fitted to the busiest 30 s, so fixed-peak sized for it is within MAX_PODS.
     return {"token_scale": factors, "trace": dataclasses.asdict(stats),
