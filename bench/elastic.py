@@ -349,7 +349,8 @@ def oracle_pod_seconds(rate_at: Callable[[float], float], *, span: float, hold: 
 
     No planner with that window does better at the model's sizing, so it is the floor under the pod-seconds
     targets: a target below it asks for a shorter window, not a better forecast. (On the bench's sinusoid
-    with the 20 s window it is 0.71x fixed-peak's, against the 0.60x target; 0.53x with no window.)"""
+    with the 20 s window it is 0.71x fixed-peak's 4 + 4 x 160 s, against the 0.60x target; 0.53x with no
+    window.)"""
     n = max(1, round(span / step))
     need = [replicas(rate_at((i + 0.5) * step)) for i in range(n)]
     back = round(hold / step)
@@ -400,18 +401,14 @@ def shape_spec(shape: str, *, base_seconds: float, peak_seconds: float, after_se
 
 def shape_rates(args: argparse.Namespace) -> tuple[float, float]:
     """(mean, peak) requests/s of the session load's shape over the whole run (the fixed sizings' inputs)."""
-    from daybreak.serving.load.trace import parse_shape
-
     a = args
     total = a.base_seconds + a.peak_seconds + a.after_seconds
     peak = a.base_rate * a.peak_factor
     if a.shape == "step":
         return a.base_rate * (a.base_seconds + a.peak_factor * a.peak_seconds + a.after_seconds) / total, peak
-    shape = parse_shape(shape_spec(a.shape, base_seconds=a.base_seconds, peak_seconds=a.peak_seconds,
-                                   after_seconds=a.after_seconds, peak_factor=a.peak_factor,
-                                   period_seconds=a.period_seconds), base_rate=a.base_rate)
+    rate_at = shape_rate(a)
     steps = 1000
-    return sum(shape.rate_at(total * (i + 0.5) / steps) for i in range(steps)) / steps, peak
+    return sum(rate_at(total * (i + 0.5) / steps) for i in range(steps)) / steps, peak
 
 
 def startup_values(spec: str) -> list[float]:
