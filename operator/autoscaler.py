@@ -10,10 +10,11 @@ another worker. It knows no reconciler and no controller. Every write checks
 the leader fence first.
 
 It also picks each deployment's planner policy (``autoscaling.policy``),
-feeds the planner when each pod became Ready (for the start-up time it
-learns), and, where a role may go to zero (``minReplicas: 0``), reads the
-router pods' ``daybreak_router_held_requests`` gauge (their /metrics on the
-engine port): the requests waiting for engines that bring the roles back.
+feeds the planner when each pod was created and when it became Ready (for
+the start-up time it learns), and, where a role may go to zero
+(``minReplicas: 0``), reads the router pods' ``daybreak_router_held_requests``
+gauge (their /metrics on the engine port): the requests waiting for engines
+that bring the roles back.
 
 ORDER ON SCALE-IN: the deletion costs are written before the lower replica
 count is handed over, so the ReplicaSet controller already knows which pod
@@ -84,6 +85,27 @@ def ready_at(pods: Iterable[Manifest], *, now_wall: float, now: float) -> dict[s
                 except ValueError:
                     pass
             out[str(pod["metadata"]["name"])] = at
+    return out
+
+
+def created_at(pods: Iterable[Manifest], *, now_wall: float, now: float) -> dict[str, float]:
+    """Each pod's creation time on the planner's clock ``now``, for pods whose containers never restarted.
+
+    A pod nobody timed from a decision (there before the planner, or created by a rollout or a
+    replacement) is timed from its creation to its Ready transition; after a container restart that
+    transition is the restart's, not the start's, so such a pod is left out.
+    """
+    out: dict[str, float] = {}
+    for pod in pods:
+        stamp = (pod.get("metadata") or {}).get("creationTimestamp")
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if not stamp or any(int(c.get("restartCount") or 0) > 0 for c in statuses):
+            continue
+        try:
+            age = now_wall - datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        out[str(pod["metadata"]["name"])] = now - max(0.0, age)
     return out
 
 
@@ -182,12 +204,13 @@ class Autoscaler:
             if planner.policy.name != pdd.spec.autoscaling.policy.value:
                 planner.policy = policy_for(pdd.spec.autoscaling.policy.value)  # changed in the spec: keep learning
             current = pdd_mod.role_replicas(pdd, role)
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             decision = planner.step(now=now, pods=names, samples=samples, current=current,
                                     bounds=getattr(pdd.spec, role.value).bounds, targets=targets,
                                     arrivals=arrivals if role is Role.DECODE else None,
                                     prefilling=prefilling if role is Role.DECODE else 0.0,
-                                    ready_at=ready_at(pods, now_wall=time.time(), now=now), held=held,
+                                    ready_at=ready_at(pods, now_wall=wall, now=now),
+                                    created_at=created_at(pods, now_wall=wall, now=now), held=held,
                                     prefill_left=prefill_left if role is Role.DECODE else 0,
                                     max_num_seqs=max_num_seqs(pdd.spec.engine.args) if role is Role.DECODE else None,
                                     prefill_ttft=prefill_ttft if role is Role.DECODE else None)

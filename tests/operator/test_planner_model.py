@@ -646,6 +646,15 @@ def test_the_start_up_time_is_learned_from_decision_to_ready() -> None:
     s.observe(ready={"a": 0.0, "c": 112.0}, pods=["a", "b", "c"])  # b not ready for a moment: no new start
     s.observe(ready={"a": 0.0, "b": 150.0, "c": 112.0}, pods=["a", "b", "c"])
     assert s.learned == 2
+    # Pods nobody asked for are timed from their creation: those there before the planner, a rollout's.
+    s = StartupLearning()
+    s.observe(ready={"a": 50.0}, pods=["a", "b"], created={"a": 47.0, "b": 49.0})
+    assert (s.estimate(), s.learned) == (3.0, 1)
+    s.asked(now=60.0, count=1)
+    s.observe(ready={"a": 50.0, "b": 55.0}, pods=["a", "b"], created={"a": 47.0, "b": 49.0})
+    assert s.estimate() == (6.0 + 3.0) / 2 and list(s.asks) == [60.0]  # b, created before the ask, answers none
+    s.observe(ready={"a": 50.0, "b": 55.0, "c": 65.0}, pods=["a", "b", "c"], created={"c": 61.0})
+    assert not s.asks and s.estimate() == (5.0 + 4.5) / 2  # c answers the ask: decision to Ready
     # Through the planner: pods that start three intervals after the decision teach it about that.
     planner = RolePlanner("prefill")
     drive("prefill", replicas=1, bounds=(1, 20), rates=[1.0] * 6 + [4.0] * 12, startup=3, planner=planner)
@@ -730,7 +739,7 @@ def test_without_the_router_s_held_signal_a_role_keeps_one_pod() -> None:
 
 
 def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner() -> None:
-    from daybreak.operator.autoscaler import ready_at
+    from daybreak.operator.autoscaler import created_at, ready_at
     from daybreak.operator.engine_metrics import parse_held
 
     text = ("# TYPE daybreak_router_held_requests gauge\n"
@@ -747,6 +756,10 @@ def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner()
 
     wall = datetime.fromisoformat("2026-12-02T08:00:30+00:00").timestamp()
     assert ready_at(pods, now_wall=wall, now=1000.0) == {"p1": 970.0, "p3": 1000.0}
+    pods[0]["metadata"]["creationTimestamp"] = "2026-12-02T07:59:50Z"
+    pods[1]["metadata"]["creationTimestamp"] = "2026-12-02T07:59:55Z"
+    pods[1]["status"]["containerStatuses"] = [{"name": "engine", "restartCount": 1}]  # its Ready is a restart's
+    assert created_at(pods, now_wall=wall, now=1000.0) == {"p1": 960.0}
 
 
 def test_what_the_planner_learned_fades_per_second_whatever_the_interval() -> None:
