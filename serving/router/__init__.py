@@ -141,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  or DEFAULT_HOLD_SECONDS),
                    help="a held request waits at most this long from its arrival for the engines to start, then "
                    f"503 with Retry-After ($DAYBREAK_ROUTER_HOLD_SECONDS, {DEFAULT_HOLD_SECONDS:g})")
+    h.add_argument("--prefill-concurrency", type=int,
+                   default=int(_env("DAYBREAK_ROUTER_PREFILL_CONCURRENCY", "0") or 0),
+                   help="prefill steps in flight at once on one prefill pod; more wait in the hold queue (first "
+                   "come, first served) for the first pod with room, one that just started included, and count "
+                   "in the held-requests gauge the planner reads; 0: no bound, each request goes to the "
+                   "least-loaded pod when it arrives and waits in that pod's queue "
+                   "($DAYBREAK_ROUTER_PREFILL_CONCURRENCY, 0)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
                         "before stopping (in-flight requests and those still arriving)")
     parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
@@ -207,7 +214,8 @@ async def _main(args: argparse.Namespace) -> int:
 
     block_tokens = block_tokens_of(args.kv_layout)
     for flag, value in (("--max-concurrent-per-client", args.max_concurrent_per_client),
-                        ("--max-model-len", args.max_model_len), ("--hold-queue", args.hold_queue)):
+                        ("--max-model-len", args.max_model_len), ("--hold-queue", args.hold_queue),
+                        ("--prefill-concurrency", args.prefill_concurrency)):
         if value < 0:
             raise SystemExit(f"{flag}: {value} is negative; give 0 (the default behaviour) or more")
     if not args.request_timeout_seconds > 0:
@@ -228,7 +236,7 @@ async def _main(args: argparse.Namespace) -> int:
         request_timeout_seconds=args.request_timeout_seconds,
         max_concurrent_per_client=args.max_concurrent_per_client, max_model_len=args.max_model_len or None,
         cache_statistics=args.cache_statistics, debug_headers=args.debug_headers,
-        hold_queue=args.hold_queue, hold_seconds=args.hold_seconds)
+        hold_queue=args.hold_queue, hold_seconds=args.hold_seconds, prefill_concurrency=args.prefill_concurrency)
     api: Any = None
 
     async def need_api() -> Any:

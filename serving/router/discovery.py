@@ -87,6 +87,7 @@ class RolePods:
         self._scrape = scrape_seconds
         self._pods: dict[str, PodState] = {}
         self.listed = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) when a step ends or the pods listed change
         if static is not None:
             self._set(dict.fromkeys(static))
 
@@ -99,7 +100,18 @@ class RolePods:
         if added or removed:
             log.info("event=endpoints role=%s ready=%d added=%s removed=%s", self.role, len(self._pods),
                      ",".join(sorted(added)) or "-", ",".join(sorted(removed)) or "-")
+            self._notify()
         self.listed.set()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, *, seconds: float) -> None:
+        """Return when a step ends or the pods listed change, or after ``seconds`` (health comes from
+        scrapes, which do not notify)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), seconds)
 
     def pods(self) -> list[PodState]:
         return list(self._pods.values())
@@ -118,6 +130,7 @@ class RolePods:
             pod.in_flight = max(pod.in_flight - 1, 0)
             if failed:
                 pod.healthy = False  # until the next good scrape says otherwise
+            self._notify()
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Refresh the list (when not static) and scrape every pod's load, until cancelled."""

@@ -49,6 +49,13 @@ Bounded, so that no client starves the others (docs/security.md):
   deadline with decode ready but prefill still missing, decode computes the
   prompt (slower, not failed). ``--hold-queue 0`` turns holding off: then
   the gauge is not exported and the planner keeps a pod per role.
+- **Prefill room** (``--prefill-concurrency N``): at most N prefill steps
+  in flight on one prefill pod; a request that finds none with room waits
+  in the same queue (first come, first served, counted in the gauge under
+  ``role="prefill"``) and goes to the first pod with room, one that just
+  started included, instead of the least-loaded pod's own queue at arrival.
+  It never fails for room: past ``--hold-seconds`` or with the queue full
+  it is bound at once as without the bound.
 - **No cache oracle**: ``cached_tokens`` and the ``daybreak`` usage counters
   reach clients only with ``--cache-statistics``; pod addresses and the
   prefill outcome appear in response headers only with ``--debug-headers``;
@@ -66,6 +73,7 @@ import random
 import signal
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,6 +154,9 @@ class RouterConfig:
     hold_seconds: float = DEFAULT_HOLD_SECONDS
     """A held request waits at most this long from its arrival for the engines (a pod's start-up, with margin);
     then 503 with ``Retry-After`` (or, with decode ready and prefill still missing, decode computes)."""
+    prefill_concurrency: int = 0
+    """Prefill steps in flight at once on one prefill pod; more wait in the hold queue for the first pod with
+    room (``Router._prefill_room``). 0: no bound (a request is bound to a pod when it arrives)."""
 
 
 class Metrics:
@@ -176,7 +187,7 @@ class Metrics:
         self.in_flight = Gauge("daybreak_router_requests_in_flight", "Requests being served", registry=r)
         self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
         self.hold_seconds = Histogram("daybreak_router_hold_seconds", "Time a request was held for engines to "
-                                      "start (released or not)", buckets=_LATENCY_BUCKETS, registry=r)
+                                      "start or for prefill room (released or not)", buckets=_LATENCY_BUCKETS, registry=r)
         self.held: Gauge | None = None
         """``HELD_REQUESTS`` by role: only where the router holds requests (the planner reads its absence as
         'nothing could start a role again from zero')."""
@@ -184,7 +195,8 @@ class Metrics:
     def export_held(self, roles: list[str]) -> Gauge:
         """Create the held-requests gauge with a zero sample per role: a gauge without samples reads to the
         planner as no gauge at all."""
-        self.held = Gauge(HELD_REQUESTS, "Requests held because no engine of a role is ready (scale from zero)",
+        self.held = Gauge(HELD_REQUESTS, "Requests held because no engine of a role is ready (scale from zero) "
+                          "or no prefill pod has room (--prefill-concurrency)",
                           ["role"], registry=self.registry)
         for role in roles:
             self.held.labels(role).set(0)
@@ -286,7 +298,9 @@ class Router:
         self._idle = asyncio.Event()
         self._idle.set()
         self.held = 0
-        """Requests held right now for lack of a ready engine (at most ``config.hold_queue``)."""
+        """Requests held right now for lack of a ready engine or of prefill room (at most ``config.hold_queue``)."""
+        self._room_queue: deque[object] = deque()  # requests waiting for prefill room, first come first
+        self._admitting = 0  # requests let through to a prefill slot that have not begun their step yet
         if config.hold_queue > 0:
             self.metrics.export_held(["engine"] if prefill is None else ["prefill", "decode"])
 
@@ -674,6 +688,56 @@ class Router:
             self.metrics.hold_seconds.observe(waited)
             log.info("event=hold_ended id=%s outcome=%s waited_s=%.3f", rid, outcome, waited)
 
+    def _prefill_free(self, kv_namespace: str | None) -> int:
+        """Prefill slots free now on healthy pods of ``kv_namespace``, less those already let through."""
+        assert self.prefill is not None
+        bound = self.config.prefill_concurrency
+        return sum(max(0, bound - p.in_flight) for p in self._pods_of(self.prefill, kv_namespace)
+                   if p.healthy) - self._admitting
+
+    async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> bool:
+        """Wait, first come first served, until a prefill pod has fewer than ``--prefill-concurrency`` steps in
+        flight; True when a slot was taken (``_admitting`` counts it until the step begins).
+
+        Why: a request bound to a pod when it arrives waits in that pod's queue even after a pod just started
+        stands idle (the planner's new pods then serve only later arrivals). Held here, it goes to whichever
+        pod has room first. It never fails for lack of room: with the hold queue full, or past
+        ``--hold-seconds``, it is bound to the least-loaded pod as without the bound. Held requests count in
+        the held-requests gauge (role prefill): they are demand the engines' own queues no longer show.
+        """
+        if self.config.prefill_concurrency <= 0 or self.prefill is None or self.metrics.held is None:
+            return False
+        if not self._room_queue and self._prefill_free(kv_namespace) > 0:
+            self._admitting += 1
+            return True
+        if self.held >= self.config.hold_queue:
+            return False
+        ticket = object()
+        self._room_queue.append(ticket)
+        self.held += 1
+        gauge = self.metrics.held
+        gauge.labels("prefill").inc()
+        deadline = started + self.config.hold_seconds
+        outcome = "bound_anyway"
+        try:
+            while time.monotonic() < deadline and self._pods_of(self.prefill, kv_namespace):
+                if self._room_queue[0] is ticket and self._prefill_free(kv_namespace) > 0:
+                    self._admitting += 1
+                    outcome = "room"
+                    return True
+                await self.prefill.changed(seconds=HOLD_POLL_SECONDS)
+            return False
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._room_queue.remove(ticket)
+            self.held -= 1
+            gauge.labels("prefill").dec()
+            self.metrics.hold_seconds.observe(time.monotonic() - started)
+            log.debug("event=room_wait_ended id=%s outcome=%s waited_s=%.3f", rid, outcome,
+                      time.monotonic() - started)
+
     def _unavailable(self, message: str) -> web.Response:
         response = _error(503, message, kind="service_unavailable")
         response.headers["Retry-After"] = str(HOLD_RETRY_AFTER_SECONDS)
@@ -705,11 +769,12 @@ class Router:
 
     async def _choose(self, pods: RolePods, tried: set[str], *, started: float, keys: list[str],
                       pool_blocks: int, prefix_aware: bool, kv_namespace: str | None = None,
-                      widen: bool = False) -> str | None:
+                      widen: bool = False, room: int = 0) -> str | None:
         """The pod for the next attempt, from pods of ``kv_namespace`` (prefill and decode of one request
         must share the pool's namespace). ``widen`` (decode): when every such pod has been tried or none
         is left, take a pod of another namespace; it computes what its namespace's pool lacks, slower
-        but served, where a strict choice would fail the request."""
+        but served, where a strict choice would fail the request. ``room`` (prefill, with
+        ``--prefill-concurrency``): prefer pods with fewer steps than that in flight."""
         # No pod now (a rollout, a scale from zero): wait a little, within the deadline.
         wait_until = min(started + self.config.deadline_seconds, time.monotonic() + 5.0)
         states = self._pods_of(pods, kv_namespace)
@@ -734,6 +799,8 @@ class Router:
                 return None
         fresh = ([p for p in states if p.address not in tried] or [p for p in everyone if p.address not in tried]
                  or states or everyone)
+        if room > 0:
+            fresh = [p for p in fresh if p.in_flight < room] or fresh
         local: dict[str, int] = {}
         if prefix_aware and keys and len(fresh) > 1:
             local = await self._local_prefixes([p.address for p in fresh], keys)
@@ -777,15 +844,23 @@ class Router:
         tried: set[str] = set()
         attempt = 0
         payload = json.dumps(body).encode()
+        admitted = role == "prefill" and await self._prefill_room(rid=rid, started=started,
+                                                                  kv_namespace=kv_namespace)
         while True:
-            address = await self._choose(pods, tried, started=started, keys=keys, pool_blocks=pool_blocks,
-                                         prefix_aware=prefix_aware, kv_namespace=kv_namespace,
-                                         widen=role == "decode")
-            if address is None:
-                raise StepFailed(role, "no_ready_pods")
-            tried.add(address)
-            attempt += 1
-            pods.begin(address)
+            try:
+                address = await self._choose(pods, tried, started=started, keys=keys, pool_blocks=pool_blocks,
+                                             prefix_aware=prefix_aware, kv_namespace=kv_namespace,
+                                             widen=role == "decode",
+                                             room=self.config.prefill_concurrency if role == "prefill" else 0)
+                if address is None:
+                    raise StepFailed(role, "no_ready_pods")
+                tried.add(address)
+                attempt += 1
+                pods.begin(address)
+            finally:
+                if admitted:  # the slot let through is now the step's in_flight (or was never used)
+                    self._admitting -= 1
+                    admitted = False
             failed = True
             t = time.monotonic()
             try:

@@ -164,3 +164,42 @@ def test_the_hold_flags_refuse_bad_values_naming_the_flag() -> None:
                                *flags], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0
         assert name in done.stderr, done.stderr
+
+
+def test_with_prefill_concurrency_a_request_waits_in_the_router_for_the_first_pod_with_room(tmp_path: Path) -> None:
+    """``--prefill-concurrency 1``: two more requests than the one prefill pod takes wait in the router, count
+    in the gauge under role prefill, and a prefill pod listed while they wait (one the planner just
+    started) takes them; bound at arrival, they would have queued on the first pod."""
+    stack = Stack(tmp_path / "stack")
+    slow = ["--prefill-per-token-seconds", "0.03"]  # about a second of prefill per prompt: long enough to queue
+
+    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+        first, second, dec = await asyncio.gather(
+            asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+            asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+            asyncio.to_thread(stack.engine, "decode", pool=False))
+        prefill.ready = {first.address: None}
+        decode.ready = {dec.address: None}
+        async with aiohttp.ClientSession() as session:
+            await _until("the router to list the engines", lambda: _health_ok(session, url))
+            requests = [asyncio.create_task(_post(session, url)) for _ in range(3)]
+            await _until("two requests to wait for prefill room", lambda: _is_held(session, url, 2.0))
+            assert metric_sum(await _metrics(session, url), HELD_REQUESTS + '{role="prefill"}') == 2.0
+            prefill.ready = {first.address: None, second.address: None}  # the planner's new pod is Ready
+            answers = await asyncio.wait_for(asyncio.gather(*requests), 60)
+            assert [status for status, _, _ in answers] == [200, 200, 200], answers
+            served = [headers["x-daybreak-prefill"] for _, headers, _ in answers]
+            assert second.address in served, served
+            assert await _held(session, url) == 0.0
+
+    try:
+        asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
+                                          debug_headers=True), scenario))
+    finally:
+        stack.close()
+
+
+async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
+    async with session.get(f"{url}/health") as r:
+        body = await r.json()
+    return r.status == 200 and "holding" not in str(body.get("status"))
