@@ -157,6 +157,11 @@ class RouterSpec(ApiModel):
     """Report usage.prompt_tokens_details.cached_tokens and the usage.daybreak counters in replies. Off by
     default: with a cache shared across clients they tell a client whether anyone sent the same prompt
     before (per-credential cache salts under auth close that; see docs/security.md)."""
+    prefill_concurrency: int = Field(default=0, ge=0, le=4096)
+    """Prefill steps each router pod keeps in flight on one prefill pod; more wait in the router (first come,
+    first served) for the first pod with room, a pod the planner just started included, and the planner
+    counts them as prefill's backlog. 0: no bound (a request waits in the queue of the pod it was sent to on
+    arrival). About the TTFT target over one prompt's prefill time is a start."""
 
 
 class AutoscalingSpec(ApiModel):

@@ -106,6 +106,10 @@ MAX_BATCH = 4
 ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds", f"{PREFILL_PER_TOKEN_SECONDS:g}",
                "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--max-num-seqs", str(MAX_BATCH),
                "--drain-seconds", "20"]
+# Prefill steps the router keeps in flight on one prefill pod (router.prefillConcurrency): the sim computes a
+# step's prompts together, so more in flight only delays each one's first token; two keep a pod busy while
+# one step's KV goes to the pool. The rest wait in the router for the first pod with room, a new one included.
+PREFILL_CONCURRENCY = 2
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
              "--output-tokens", str(OUTPUT_TOKENS)]
@@ -146,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help="comma-separated subset of " + ",".join(CONFIGS)
                              + " (predictive: the planner with autoscaling.policy predictive)")
+    parser.add_argument("--prefill-concurrency", type=int, default=PREFILL_CONCURRENCY,
+                        help="router.prefillConcurrency of every configuration: prefill steps in flight per "
+                             "prefill pod, more wait in the router for the first pod with room (0: each "
+                             f"request is bound to a pod on arrival; default {PREFILL_CONCURRENCY})")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--warmup-seconds", type=float, default=45.0,
                         help="before the first configuration, this much base-rate load on a throwaway 1 + 1 "
@@ -432,13 +440,17 @@ def run_revision(name: str, startup_seconds: float) -> str:
 
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
-                 startup_seconds: float = 0.0, revision: str = "r1") -> dict[str, Any]:
+                 startup_seconds: float = 0.0, revision: str = "r1", prefill_concurrency: int = 0) -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
 
     ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``). ``revision``: the model
     revision, part of the KV namespace: the bench gives every run its own, so no run reads the blocks an
     earlier run wrote (same seed, same prompts: every run after the first found them in the pool).
+    ``prefill_concurrency``: the router's ``prefillConcurrency`` (0: unset).
     """
+    router: dict[str, Any] = {"cacheStatistics": True}  # the load's hit rate reads cached_tokens
+    if prefill_concurrency:
+        router["prefillConcurrency"] = prefill_concurrency
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
         "apiVersion": vocab.API_VERSION, "kind": "PDDeployment", "metadata": {"name": name},
@@ -452,7 +464,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
             "prefill": {"replicas": replicas[0], "minReplicas": 1, "maxReplicas": 4},
             "decode": {"replicas": replicas[1], "minReplicas": 1, "maxReplicas": 4},
             "autoscaling": autoscaling,
-            "router": {"cacheStatistics": True},  # the load's hit rate reads cached_tokens
+            "router": router,
         }}
 
 
@@ -580,7 +592,7 @@ class Bench:
                startup_seconds: float) -> None:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
-            name, replicas=replicas, startup_seconds=startup_seconds,
+            name, replicas=replicas, startup_seconds=startup_seconds, prefill_concurrency=a.prefill_concurrency,
             revision=run_revision(name, startup_seconds), autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
@@ -788,7 +800,7 @@ def run(args: argparse.Namespace) -> int:
     settings: dict[str, Any] = {k: getattr(args, k) for k in (
         "base_rate", "base_seconds", "peak_seconds", "after_seconds", "peak_factor", "ttft", "itl", "interval",
         "up_window", "down_window", "shape", "period_seconds", "sample", "time_scale", "trace_seconds",
-        "warmup_seconds")}
+        "warmup_seconds", "prefill_concurrency")}
     settings["trace"] = str(args.trace) if args.trace else None
     settings["startup_seconds"] = startups
     sized = sizing(args)

@@ -181,9 +181,11 @@ class Autoscaler:
         timeout = min(MAX_SCRAPE_TIMEOUT, targets.interval_seconds / 2)
         assert self._session is not None
         decisions = []
-        # Only where a role may go to zero: the router's held requests are what bring it back.
+        # Where a role may go to zero, the router's held requests are what bring it back; with
+        # router.prefillConcurrency they are also prefill's backlog (requests no engine queue shows).
         held = (await self._held_requests(ns, pdd, deadline_seconds=timeout)
-                if any(getattr(pdd.spec, r.value).bounds[0] == 0 for r in pdd_mod.ENGINE_ROLES) else None)
+                if pdd.spec.router.prefill_concurrency > 0
+                or any(getattr(pdd.spec, r.value).bounds[0] == 0 for r in pdd_mod.ENGINE_ROLES) else None)
         prefill_left = 0  # prefill pods that exist, terminating ones included (decode goes to zero after them)
         arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
         prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
@@ -213,7 +215,8 @@ class Autoscaler:
                                     created_at=created_at(pods, now_wall=wall, now=now), held=held,
                                     prefill_left=prefill_left if role is Role.DECODE else 0,
                                     max_num_seqs=max_num_seqs(pdd.spec.engine.args) if role is Role.DECODE else None,
-                                    prefill_ttft=prefill_ttft if role is Role.DECODE else None)
+                                    prefill_ttft=prefill_ttft if role is Role.DECODE else None,
+                                    upstream=(held or 0.0) if role is Role.PREFILL else 0.0)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
                 prefilling = decision.numbers.get("in_flight_now", 0.0)

@@ -309,6 +309,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: Pool
     container = template["spec"]["containers"][0]
     if router_spec.cache_statistics:
         container["command"].append("--cache-statistics")
+    if router_spec.prefill_concurrency:
+        container["command"] += ["--prefill-concurrency", str(router_spec.prefill_concurrency)]
     if router_spec.auth is not None:
         # The Secret as files, one per credential; the router re-reads them, so a rotation needs no restart.
         container["command"] += ["--auth-dir", ROUTER_AUTH_DIR]

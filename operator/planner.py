@@ -367,8 +367,13 @@ def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float |
 
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
                      settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
-                     margin: float = SCALE_IN_MARGIN, tolerance: float = 0.1) -> Estimate:
+                     margin: float = SCALE_IN_MARGIN, tolerance: float = 0.1, upstream: float = 0.0,
+                     upstream_growth: float = 0.0) -> Estimate:
     """Prefill pods needed to keep TTFT under ``target`` at the observed arrival rate and uncached prompt length.
+
+    ``upstream``: requests the routers hold now for prefill room (``router.prefillConcurrency``), which no
+    engine's queue shows; ``upstream_growth``: how fast that grew over the lookback (requests/s). Both are
+    prefill's demand as much as the engines' own queues.
 
     ``settled_seconds``: how long every pod asked for has been reporting. The latency seen is that of
     ``current`` pods only once that covers the lookback plus the TTFT itself (a request finishing now
@@ -383,15 +388,17 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     if not windows:
         return Estimate(None, "no prefill pod has reported metrics yet", {})
     # Arrivals = first tokens produced + growth of the queue: a saturated pod's completions alone hide demand.
-    rate = sum((w.requests + max(0.0, w.waiting_growth)) / w.seconds for w in windows)
+    rate = sum((w.requests + max(0.0, w.waiting_growth)) / w.seconds for w in windows) + max(0.0, upstream_growth)
     uncached_total = sum(w.uncached_tokens or 0.0 for w in windows)
     requests = sum(w.requests for w in windows)
     hist = _latency(windows, "ttft")
     p90 = hist.quantile(0.9) if hist else None
-    held = sum(w.in_flight_now for w in windows)
+    held = sum(w.in_flight_now for w in windows) + upstream
     numbers: dict[str, float] = {"arrival_rate": rate, "target_ttft_s": target,
-                                 "queued": sum(w.mean_waiting for w in windows),
+                                 "queued": sum(w.mean_waiting for w in windows) + upstream,
                                  "running": sum(w.mean_running for w in windows), "in_flight_now": held}
+    if upstream:
+        numbers["router_held"] = upstream
     if p90 is not None:
         numbers["ttft_p90_s"] = p90
     uncached = uncached_total / requests if requests > 0 else None
@@ -935,13 +942,14 @@ class RolePlanner:
     policy: Policy = field(default_factory=ReactivePolicy)
     forecast: Forecast = field(default_factory=Forecast)
     startup: StartupLearning = field(default_factory=StartupLearning)
+    upstream: deque[tuple[float, float]] = field(default_factory=deque)  # (time, requests the routers held)
 
     def step(self, *, now: float, pods: Iterable[str], samples: Mapping[str, PodSample], current: int,
              bounds: tuple[int, int], targets: Targets, arrivals: float | None = None,
              prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None,
              created_at: Mapping[str, float] | None = None, held: float | None = None,
              prefill_left: int = 0, max_num_seqs: int | None = None,
-             prefill_ttft: float | None = None) -> Decision:
+             prefill_ttft: float | None = None, upstream: float = 0.0) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
@@ -954,6 +962,7 @@ class RolePlanner:
         running-sequence cap the engine's command line sets (None: learned from queues). ``prefill_ttft``
         (decode only): prefill's TTFT p90 over the lookback; what the TTFT target leaves after it is how
         long a sequence may wait for a decode slot (None: no wait allowed, a slot for every sequence).
+        ``upstream`` (prefill only): requests the routers hold for prefill room (``router.prefillConcurrency``).
         """
         pods = list(pods)
         high = bounds[1]
@@ -994,9 +1003,16 @@ class RolePlanner:
         settled_seconds = now - self.unsettled_at
         if self.role == "prefill":
             self.prefill.observe(windows, seconds=targets.interval_seconds)
+            # The routers' queue grows with the arrivals no engine took: its growth over the lookback is demand.
+            self.upstream.append((now, upstream))
+            while len(self.upstream) > 1 and self.upstream[1][0] <= now - lookback:
+                self.upstream.popleft()
+            since, before = self.upstream[0]
+            growth = (upstream - before) / (now - since) if now > since else 0.0
             est = estimate_prefill(windows, target=targets.ttft_seconds, learned=self.prefill, current=current,
                                    settled_seconds=settled_seconds, lookback_seconds=lookback,
-                                   margin=targets.scale_in_margin, tolerance=targets.tolerance)
+                                   margin=targets.scale_in_margin, tolerance=targets.tolerance,
+                                   upstream=upstream, upstream_growth=growth)
         else:
             self.decode.configured = float(max_num_seqs) if max_num_seqs is not None else None
             self.decode.observe(windows, seconds=targets.interval_seconds)

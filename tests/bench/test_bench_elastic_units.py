@@ -167,6 +167,11 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     args = pdd_manifest("x", replicas=(1, 1), autoscaling={}, startup_seconds=30.0)["spec"]["engine"]["args"]
     assert args[-2:] == ["--startup-seconds", "30"]
     assert "--startup-seconds" not in pdd_manifest("x", replicas=(1, 1), autoscaling={})["spec"]["engine"]["args"]
+    # The router's prefill bound is the same for every configuration, and a valid spec.
+    from daybreak.api.pddeployment import PDDeployment as Pdd
+
+    bounded = Pdd.model_validate(pdd_manifest("x", replicas=(1, 1), autoscaling={}, prefill_concurrency=2))
+    assert bounded.spec.router.prefill_concurrency == 2
     # Every run its own KV namespace (the revision is part of it): no run reads what an earlier one wrote.
     from daybreak.api.pddeployment import PDDeployment
 

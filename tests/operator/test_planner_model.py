@@ -802,3 +802,28 @@ def test_a_predictive_role_is_held_back_only_by_the_demand_it_measured_not_by_it
     replicas = decisions[-1].desired
     assert replicas > 2
     assert all(asked is not None and measured <= asked * 1.1 + 1e-9 for measured, asked in waited), waited
+
+
+def test_requests_the_router_holds_for_prefill_room_are_prefill_s_backlog_and_demand() -> None:
+    """With ``router.prefillConcurrency`` the pods' queues stay short and the excess waits in the router: the
+    held count (and how fast it grows) must size prefill as the engines' own queue would have."""
+
+    def run(held: list[float]) -> list[int]:
+        t = targets()
+        fluid = FluidRole("prefill", 2)
+        planner = RolePlanner("prefill")
+        sizes, now, replicas = [], 0.0, 2
+        for upstream in [0.0] * 30 + held:
+            fluid.advance(1.0, INTERVAL)  # the pods serve it: the engines see no more than that
+            now += INTERVAL
+            d = planner.step(now=now, pods=list(fluid.pods), samples=fluid.samples(now), current=replicas,
+                             bounds=(1, 20), targets=t, upstream=upstream)
+            replicas = d.desired
+            fluid.resize(replicas)
+            sizes.append(replicas)
+        return sizes
+
+    steady = run([0.0] * 4)
+    assert len(set(steady[20:])) == 1, steady
+    growing = run([10.0, 20.0, 30.0, 40.0])
+    assert growing[:30] == steady[:30] and growing[-1] > steady[-1], (steady, growing)
