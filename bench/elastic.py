@@ -106,10 +106,11 @@ MAX_BATCH = 4
 ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds", f"{PREFILL_PER_TOKEN_SECONDS:g}",
                "--decode-per-sequence-seconds", f"{DECODE_PER_SEQUENCE_SECONDS:g}", "--max-num-seqs", str(MAX_BATCH),
                "--drain-seconds", "20"]
-# Prefill steps the router keeps in flight on one prefill pod (router.prefillConcurrency): the sim computes a
-# step's prompts together, so more in flight only delays each one's first token; two keep a pod busy while
-# one step's KV goes to the pool. The rest wait in the router for the first pod with room, a new one included.
-PREFILL_CONCURRENCY = 2
+# Prefill steps the router keeps in flight on one prefill pod (router.prefillConcurrency). The sim computes
+# the prompts in flight in one step (chunked prefill in a 2,048-token budget), so a second one in flight
+# only delays the first one's first token; the rest wait in the router for the first pod with room, a pod
+# just started included (a vLLM GPU pod batches prefills to use the device: give it more).
+PREFILL_CONCURRENCY = 1
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
              "--output-tokens", str(OUTPUT_TOKENS)]
