@@ -100,10 +100,11 @@ class RolePods:
         if added or removed:
             log.info("event=endpoints role=%s ready=%d added=%s removed=%s", self.role, len(self._pods),
                      ",".join(sorted(added)) or "-", ",".join(sorted(removed)) or "-")
-            self._notify()
+            self.notify()
         self.listed.set()
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake whoever waits in ``changed``."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -130,7 +131,7 @@ class RolePods:
             pod.in_flight = max(pod.in_flight - 1, 0)
             if failed:
                 pod.healthy = False  # until the next good scrape says otherwise
-            self._notify()
+            self.notify()
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Refresh the list (when not static) and scrape every pod's load, until cancelled."""

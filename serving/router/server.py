@@ -701,8 +701,8 @@ class Router:
 
         Why: a request bound to a pod when it arrives waits in that pod's queue even after a pod just started
         stands idle (the planner's new pods then serve only later arrivals). Held here, it goes to whichever
-        pod has room first. It never fails for lack of room: with the hold queue full, or past
-        ``--hold-seconds``, it is bound to the least-loaded pod as without the bound. Held requests count in
+        pod has room first. It never fails for lack of room: with the hold queue full, past ``--hold-seconds``
+        or with no prefill pod left, it goes on as without the bound. Held requests count in
         the held-requests gauge (role prefill): they are demand the engines' own queues no longer show.
         """
         if self.config.prefill_concurrency <= 0 or self.prefill is None or self.metrics.held is None:
@@ -732,6 +732,8 @@ class Router:
             raise
         finally:
             self._room_queue.remove(ticket)
+            if self._room_queue:
+                self.prefill.notify()  # the next in line may take a slot freed with this one (a new pod's)
             self.held -= 1
             gauge.labels("prefill").dec()
             self.metrics.hold_seconds.observe(time.monotonic() - started)
