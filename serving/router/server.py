@@ -689,11 +689,12 @@ class Router:
             log.info("event=hold_ended id=%s outcome=%s waited_s=%.3f", rid, outcome, waited)
 
     def _prefill_free(self, kv_namespace: str | None) -> int:
-        """Prefill slots free now on healthy pods of ``kv_namespace``, less those already let through."""
+        """Prefill slots free now on the healthy pods of ``kv_namespace`` (on all of them when none is healthy:
+        a failed scrape must not stall every request), less those already let through."""
         assert self.prefill is not None
         bound = self.config.prefill_concurrency
-        return sum(max(0, bound - p.in_flight) for p in self._pods_of(self.prefill, kv_namespace)
-                   if p.healthy) - self._admitting
+        pods = self._pods_of(self.prefill, kv_namespace)
+        return sum(max(0, bound - p.in_flight) for p in [p for p in pods if p.healthy] or pods) - self._admitting
 
     async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> bool:
         """Wait, first come first served, until a prefill pod has fewer than ``--prefill-concurrency`` steps in
