@@ -373,7 +373,8 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
 
     ``upstream``: requests the routers hold now for prefill room (``router.prefillConcurrency``), which no
     engine's queue shows; ``upstream_growth``: how fast that grew over the lookback (requests/s). Both are
-    prefill's demand as much as the engines' own queues.
+    prefill's demand as much as the engines' own queues, and their mean wait (Little's law) is added to the
+    engines' TTFT p90, which starts when a request reaches an engine.
 
     ``settled_seconds``: how long every pod asked for has been reporting. The latency seen is that of
     ``current`` pods only once that covers the lookback plus the TTFT itself (a request finishing now
@@ -393,12 +394,18 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     requests = sum(w.requests for w in windows)
     hist = _latency(windows, "ttft")
     p90 = hist.quantile(0.9) if hist else None
+    if p90 is not None and upstream > 0 and rate > 0:
+        # The engines time a request from when it reached them: a wait in the router comes first. Little's law
+        # gives its mean (held / arrival rate), which the TTFT the clients see, and decode's slot wait, include.
+        p90 += upstream / rate
     held = sum(w.in_flight_now for w in windows) + upstream
     numbers: dict[str, float] = {"arrival_rate": rate, "target_ttft_s": target,
                                  "queued": sum(w.mean_waiting for w in windows) + upstream,
                                  "running": sum(w.mean_running for w in windows), "in_flight_now": held}
     if upstream:
         numbers["router_held"] = upstream
+        if rate > 0:
+            numbers["router_wait_s"] = upstream / rate
     if p90 is not None:
         numbers["ttft_p90_s"] = p90
     uncached = uncached_total / requests if requests > 0 else None

@@ -808,6 +808,8 @@ def test_requests_the_router_holds_for_prefill_room_are_prefill_s_backlog_and_de
     """With ``router.prefillConcurrency`` the pods' queues stay short and the excess waits in the router: the
     held count (and how fast it grows) must size prefill as the engines' own queue would have."""
 
+    last: list[Decision] = []
+
     def run(held: list[float]) -> list[int]:
         t = targets()
         fluid = FluidRole("prefill", 2)
@@ -821,9 +823,13 @@ def test_requests_the_router_holds_for_prefill_room_are_prefill_s_backlog_and_de
             replicas = d.desired
             fluid.resize(replicas)
             sizes.append(replicas)
+        last.append(d)
         return sizes
 
     steady = run([0.0] * 4)
     assert len(set(steady[20:])) == 1, steady
     growing = run([10.0, 20.0, 30.0, 40.0])
     assert growing[:30] == steady[:30] and growing[-1] > steady[-1], (steady, growing)
+    # The engines time a request from its arrival there: the router's wait (Little's law) is added to the p90.
+    assert last[1].numbers["router_wait_s"] > 0
+    assert last[1].numbers["ttft_p90_s"] > last[0].numbers["ttft_p90_s"] + last[1].numbers["router_wait_s"] / 2
