@@ -143,6 +143,8 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
                                       "decode": {"replicas": 1, "minReplicas": 0, "maxReplicas": 4},
                                       "router": {"enabled": False}},
      ["spec.router.enabled", "needs router.enabled"]),
+    ("pdd-negative-prefill-concurrency", PDD, {"router": {"prefillConcurrency": -1}},
+     ["spec.router.prefillConcurrency"]),
     ("pdd-unknown-planner-policy", PDD, {"autoscaling": {"enabled": True, "policy": "psychic"}},
      ["spec.autoscaling.policy", "Unsupported value"]),
     ("pdd-replicas-wrong-type", PDD, {"prefill": {"replicas": "two"}}, ["spec.prefill.replicas"]),
@@ -268,7 +270,8 @@ def test_pdd_defaults(applied: Api) -> None:
     spec = applied.get("pddeployments", "sim-llama")["spec"]
     assert spec["model"]["kvLayout"]["dtype"] == "bfloat16" and spec["model"]["kvLayout"]["blockTokens"] == 16
     assert spec["updateStrategy"] == {"maxSurge": 1, "maxUnavailable": 0, "cache": "preserve"}
-    assert spec["router"] == {"enabled": True, "replicas": 1, "cacheStatistics": False}  # no auth unless named
+    assert spec["router"] == {"enabled": True, "replicas": 1, "cacheStatistics": False,  # no auth unless named
+                              "prefillConcurrency": 0}
     assert spec["autoscaling"]["enabled"] is False and spec["autoscaling"]["intervalSeconds"] == 15
 
 
