@@ -290,7 +290,9 @@ def test_missing_pool_waits_then_recovers_and_a_bad_secret_ref_is_reported(env: 
                    and condition(p, "Ready").get("reason") == "PoolNotFound" and p, env=env)
     assert condition(pdd, "Ready")["status"] == "False"
     assert env.deployment("sim-late-decode") is None
-    assert any(e["reason"] == "PoolNotFound" and e["type"] == "Warning" for e in env.events("sim-late"))
+    # Events are posted from a queue, apart from the status write: the event may trail the condition a little.
+    wait_for("PoolNotFound event", lambda: any(e["reason"] == "PoolNotFound" and e["type"] == "Warning"
+                                               for e in env.events("sim-late")), env=env)
 
     env.apply(pool_manifest("pool-late", auth={"secretRef": {"name": "late-token"}}))
     wait_for("children once the pool exists", lambda: env.deployment("sim-late-decode"), env=env)
