@@ -76,15 +76,8 @@ def ready_at(pods: Iterable[Manifest], *, now_wall: float, now: float) -> dict[s
         for cond in (pod.get("status") or {}).get("conditions") or []:
             if cond.get("type") != "Ready" or cond.get("status") != "True":
                 continue
-            at = now
-            stamp = cond.get("lastTransitionTime")
-            if stamp:
-                try:
-                    age = now_wall - datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
-                    at = now - max(0.0, age)
-                except ValueError:
-                    pass
-            out[str(pod["metadata"]["name"])] = at
+            age = _age(cond.get("lastTransitionTime"), now_wall=now_wall)
+            out[str(pod["metadata"]["name"])] = now - (age or 0.0)
     return out
 
 
@@ -99,14 +92,22 @@ def created_at(pods: Iterable[Manifest], *, now_wall: float, now: float) -> dict
     for pod in pods:
         stamp = (pod.get("metadata") or {}).get("creationTimestamp")
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        if not stamp or any(int(c.get("restartCount") or 0) > 0 for c in statuses):
+        age = _age(stamp, now_wall=now_wall)
+        if age is None or any(int(c.get("restartCount") or 0) > 0 for c in statuses):
             continue
-        try:
-            age = now_wall - datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            continue
-        out[str(pod["metadata"]["name"])] = now - max(0.0, age)
+        out[str(pod["metadata"]["name"])] = now - age
     return out
+
+
+def _age(stamp: object, *, now_wall: float) -> float | None:
+    """Seconds from an API timestamp (RFC 3339, whole seconds) to ``now_wall``, never negative; None if unset
+    or unreadable."""
+    if not stamp:
+        return None
+    try:
+        return max(0.0, now_wall - datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return None
 
 
 class SubmitScale(Protocol):
