@@ -58,8 +58,10 @@ DOWNWARD_ENV: list[dict[str, Any]] = [
     {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
 ]
-# Ready means serving: the sim engine and the router answer 200 here once up, 503 while draining.
-HEALTH_PROBE: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
+# Ready means serving: the sim engine and the router answer 200 here once up, 503 while draining. Probed
+# every second: a pod the planner added serves from the first probe after its start-up, and a scale-up's
+# misses are the requests sent until then (the period's mean wait is half of it).
+HEALTH_PROBE: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1,
                                 "failureThreshold": 2, "timeoutSeconds": 2}
 
 ENGINE_APP = "daybreak-engine"

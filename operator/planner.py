@@ -26,8 +26,8 @@ next request would start too late; decode: the sequences held would wait for a
 batch slot longer than the TTFT target leaves after prefill, ``decode_slot_pods``)
 asks for more pods through a short window (``backlog_step``): a step shows in
 the requests held an interval or two before the rates have seen it.
-The backlog's step is one pod, or up to double the role once the rates agree
-that many are needed (a backlog alone also holds what queued while the pods
+The backlog's step is one pod, or up to double the role (prefill: or 4 pods
+more, HPA's default) once the rates agree that many are needed (a backlog alone also holds what queued while the pods
 were short, which they drain once there are enough).
 
 Before a pod's throughput is learned, or the ITL line can be fitted, the
@@ -124,6 +124,10 @@ HOLT_DAMPING = 0.9  # per DECAY_SECONDS ahead: the trend's reach tops out at 27 
 TREND_POINTS = 6
 TREND_T = 3.0
 MAX_GROWTH = 4.0  # the forecast never asks for more than this many times the pods the demand now needs
+# A prefill backlog's step may add this many pods even where that is more than doubling the role: HPA's default
+# scale-up (100% of the pods or 4 pods per period, whichever is more). From one pod, doubling alone took three
+# intervals to reach the 4 pods a burst's backlog and rates both asked for (the Azure trace's 95 s burst).
+URGENT_STEP_PODS = 4
 
 
 
@@ -334,20 +338,28 @@ def prefill_pods(*, rate: float, uncached: float, throughput: float, target: flo
     return rate * uncached / (throughput * utilisation), utilisation, reachable
 
 
-def backlog_step(backlog: float, *, current: int, tolerance: float, sustained: float) -> int | None:
+def urgent_most(role: str, current: int) -> int:
+    """The most pods a backlog's step may ask for: double the role, and for prefill at least URGENT_STEP_PODS
+    more (HPA's default). Prefill's step is bounded by the rates' pods too, which lag a rise, so it cannot
+    overshoot far; decode's counts the sequences still in prefill and, before its slope is fitted, bounds
+    the step only by one pod more than it has, and a larger step overshot there (4 pods where 3 served)."""
+    return max(2 * current, current + URGENT_STEP_PODS) if role == "prefill" else 2 * current
+
+
+def backlog_step(backlog: float, *, current: int, tolerance: float, sustained: float, most: int) -> int | None:
     """Pods for the work held now when it needs more than ``current`` (outside the dead band), else None.
 
     A backlog says the pods are short now, not by how much for long: it also holds what queued while they
     were short, which the pods drain once there are enough (sized on the backlog alone, a 10x overload asked
     for 5 pods where 3 serve the rate, then gave two back in the peak). So the step is bounded twice: by
-    ``sustained``, the pods the rates ask for (what is needed once the queue has drained), and by doubling
-    the role (HPA's 100% per period). It is always at least one pod: right after a step the rates' lookback
-    has not seen it yet, and the backlog alone says the pods there are fall behind.
+    ``sustained``, the pods the rates ask for (what is needed once the queue has drained), and by ``most``
+    (``urgent_most``: HPA's per-period step). It is always at least one pod: right after a step the rates'
+    lookback has not seen it yet, and the backlog alone says the pods there are fall behind.
     """
     needed = round_with_tolerance(backlog, current=current, tolerance=tolerance)
     if needed <= current:
         return None
-    return max(current + 1, min(needed, 2 * current, math.ceil(sustained - 1e-9)))
+    return max(current + 1, min(needed, most, math.ceil(sustained - 1e-9)))
 
 
 def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float | None, wait: float) -> float:
@@ -435,7 +447,8 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
         if reachable:
             backlog = held * alone / (target - alone)
             numbers["backlog_pods"] = backlog
-            urgent = backlog_step(backlog, current=current, tolerance=tolerance, sustained=pods)
+            urgent = backlog_step(backlog, current=current, tolerance=tolerance, sustained=pods,
+                                  most=urgent_most("prefill", current))
             if urgent is not None:
                 why += f"; {held:.0f} in flight now: {backlog:.3g} pods start the next within TTFT"
             hold = max(hold, min(backlog, current + 1.0))
@@ -552,7 +565,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         lifetime = per_request * min(target, a + c * batch) if per_request is not None else None
         slots = decode_slot_pods(held, batch=batch, seconds_per_sequence=lifetime, wait=wait)
         numbers["in_flight_now"], numbers["backlog_pods"], numbers["slot_wait_s"] = held, slots, wait
-        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods)
+        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods,
+                              most=urgent_most("decode", current))
         if urgent is not None:
             why += (f"; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill): {slots:.3g} pods of "
                     f"{batch:.3g}")
@@ -585,7 +599,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         # ITL measured at a smaller batch is low, so this bound is too: the backlog's step is never cut below
         # one pod.
         sustained = tokens * mean_itl / cap if mean_itl is not None else 0.0
-        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=max(current + 1.0, sustained))
+        urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=max(current + 1.0, sustained),
+                              most=urgent_most("decode", current))
         pods = max(float(current), slots)
         numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots, sustained_pods=sustained,
                        slot_wait_s=wait)
@@ -792,7 +807,7 @@ class PredictivePolicy:
     The trend counts while it is significant (``Forecast.significant``), or while the work held says the
     pods are short now (``Estimate.urgent``) and Holt's trend rises: a backlog is evidence of its own that
     the demand outruns the pods, independent of the rates' noise. Then the backlog's step asks for the
-    forecast's pods too (up to double the role), so a rising edge is caught up in one step, not one pod a
+    forecast's pods too (up to ``urgent_most``), so a rising edge is caught up in one step, not one pod a
     window behind it.
     """
 
@@ -818,7 +833,7 @@ class PredictivePolicy:
             hold = max(est.pods if hold is None else hold, est.pods * staying)
         urgent = est.urgent
         if est.urgent is not None and growth > 1.0:
-            urgent = max(est.urgent, min(2 * ctx.current, math.ceil(pods - 1e-9)))
+            urgent = max(est.urgent, min(urgent_most(ctx.role, ctx.current), math.ceil(pods - 1e-9)))
         numbers["pods"] = pods
         return dataclasses.replace(est, pods=pods, hold=hold, reason=reason, numbers=numbers,
                                    demand=est.demand * max(1.0, growth), urgent=urgent)
@@ -905,7 +920,9 @@ class Stabiliser:
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
             return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
-        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog.
+        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog. (Each reading
+        # judged against the replicas of its own interval, the later one taken, chained a step's own reading,
+        # already answered, with the next while the step's pods started: decode overshot in the fluid model.)
         short = max(targets.scale_up_stabilization_seconds, 1.5 * targets.interval_seconds)
         pressed = min(u for t, _, u in self.history if t >= now - short)
         if pressed > current:

@@ -16,10 +16,12 @@ from daybreak.operator.planner import (
     DecodeLearning,
     RolePlanner,
     Targets,
+    backlog_step,
     deletion_costs,
     estimate_decode,
     policy_for,
     round_with_tolerance,
+    urgent_most,
 )
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
@@ -410,19 +412,32 @@ def test_the_decode_fit_takes_the_batch_from_the_itl_sum_not_the_noisy_running_g
     assert abs(a - 0.02) < 0.002 and abs(c - 0.012) < 0.001, fit
 
 
-def test_a_backlog_adds_one_pod_before_the_rates_window_has_passed() -> None:
+def test_a_prefill_backlog_scales_up_before_the_rates_window_has_passed_and_no_further_than_the_rates() -> None:
     # 0.5 -> 3 req/s on one prefill pod (2 req/s flat out): its queue grows by 5 requests an interval. The
     # rates need their window (the lookback plus half an interval: three recommendations) before they may
     # scale; the requests held now are no echo of a burst, so two scrapes of them (the configured up window)
-    # add one pod an interval earlier, and only one: the queue also holds what waited while the pod was short.
+    # scale an interval earlier. The step goes past doubling (HPA's 4 pods more) to the pods the rates ask for
+    # (3 req/s x 0.5 s at utilisation 0.5: 3 pods), and no further: the queue also holds what waited while the
+    # pod was short (11 in flight asked for 11 pods).
     trail = drive("prefill", replicas=1, bounds=(1, 20), rates=[0.5] * 10 + [3.0] * 6)
     before = trail[9][1]
     assert before == 1, trail[:10]
     first = next(i for i in range(10, 16) if trail[i][1] > before)
     assert first == 11, trail[9:14]
-    assert trail[first][1] == before + 1 and "work held" in trail[first][2], trail[first]
-    # The rest follows (3 req/s x 0.5 s at utilisation 0.5: 3 pods), and no more than that.
-    assert trail[first + 2][1] == 3 and max(r for _, r, _ in trail) == 3, trail[9:]
+    assert trail[first][1] == 3 and "work held" in trail[first][2], trail[first]
+    assert max(r for _, r, _ in trail) == 3, trail[9:]
+
+
+def test_a_backlog_step_is_hpa_s_per_period_step_for_prefill_and_doubling_for_decode() -> None:
+    # Sized on a backlog of 12 pods' work with the rates asking for 9: prefill may go 1 -> 5 (4 pods more), then
+    # 5 -> 9 (the rates' pods, under double); decode doubles.
+    assert backlog_step(12.0, current=1, tolerance=0.1, sustained=9.0, most=urgent_most("prefill", 1)) == 5
+    assert backlog_step(12.0, current=5, tolerance=0.1, sustained=9.0, most=urgent_most("prefill", 5)) == 9
+    assert backlog_step(12.0, current=1, tolerance=0.1, sustained=9.0, most=urgent_most("decode", 1)) == 2
+    assert backlog_step(12.0, current=3, tolerance=0.1, sustained=9.0, most=urgent_most("decode", 3)) == 6
+    # A backlog within the dead band asks for nothing; one the rates do not yet back still adds a pod.
+    assert backlog_step(1.05, current=1, tolerance=0.1, sustained=4.0, most=urgent_most("prefill", 1)) is None
+    assert backlog_step(3.0, current=1, tolerance=0.1, sustained=0.5, most=urgent_most("prefill", 1)) == 2
 
 
 def test_decode_counts_the_requests_prefill_holds_as_sequences_a_prefill_away() -> None:
