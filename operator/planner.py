@@ -807,7 +807,7 @@ class PredictivePolicy:
     The trend counts while it is significant (``Forecast.significant``), or while the work held says the
     pods are short now (``Estimate.urgent``) and Holt's trend rises: a backlog is evidence of its own that
     the demand outruns the pods, independent of the rates' noise. Then the backlog's step asks for the
-    forecast's pods too (up to ``urgent_most``), so a rising edge is caught up in one step, not one pod a
+    forecast's pods too (up to double the role), so a rising edge is caught up in one step, not one pod a
     window behind it.
     """
 
@@ -833,7 +833,9 @@ class PredictivePolicy:
             hold = max(est.pods if hold is None else hold, est.pods * staying)
         urgent = est.urgent
         if est.urgent is not None and growth > 1.0:
-            urgent = max(est.urgent, min(urgent_most(ctx.role, ctx.current), math.ceil(pods - 1e-9)))
+            # The forecast's pods are an extrapolation, not work held: they may double the role, no more (given
+            # HPA's 4 pods, the step's 1 -> 4 prefill for a peak that 3 serve put pod-seconds at 1.06x fixed-peak).
+            urgent = max(est.urgent, min(2 * ctx.current, math.ceil(pods - 1e-9)))
         numbers["pods"] = pods
         return dataclasses.replace(est, pods=pods, hold=hold, reason=reason, numbers=numbers,
                                    demand=est.demand * max(1.0, growth), urgent=urgent)
