@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,16 +20,25 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "hack" / "gpu_check.py"
 
 
-def _leftovers() -> set[str]:
-    return ({p.name for p in SHM_DIR.glob("daybreak-*")}
-            | {p.name for p in Path(tempfile.gettempdir()).glob("daybreak-gpu-check-*")})
+def _work_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("daybreak-gpu-check-*")}
 
 
 def test_the_gpu_check_in_cpu_mode_saves_and_loads_byte_exact_through_both_tiers_and_reports_one_json(
         tmp_path: Path) -> None:
-    before = _leftovers()
+    # The check's segments in a shared-memory directory of its own: other workers' come and go in /dev/shm.
+    shm = Path(tempfile.mkdtemp(prefix="daybreak-test-gpu-check-", dir=SHM_DIR))
+    try:
+        _run_the_cpu_check(tmp_path, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _run_the_cpu_check(tmp_path: Path, shm: Path) -> None:
+    before = _work_dirs()
     out = subprocess.run([sys.executable, str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=300,
-                         cwd="/", env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHONSAFEPATH": "1"})
+                         cwd="/", env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHONSAFEPATH": "1",
+                                       "DAYBREAK_SHM_DIR": str(shm)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert json.loads((tmp_path / "out" / "gpu_check.json").read_text()) == summary
@@ -50,7 +60,7 @@ def test_the_gpu_check_in_cpu_mode_saves_and_loads_byte_exact_through_both_tiers
     assert summary["transports"]["fell_back"] == {"save": {}, "load": {}}
     paths = {p["path"]: p for p in summary["selfcheck"]["paths"]}
     assert paths["device-pool"]["ok"] and paths["link"]["ok"], paths
-    assert _leftovers() == before
+    assert list(shm.iterdir()) == [] and _work_dirs() == before
 
 
 def test_without_torch_the_gpu_check_names_what_to_bring_instead_of_a_traceback() -> None:
