@@ -137,11 +137,13 @@ def shm_root(directory: Path) -> Path:
 class AddressSlot:
     """One cluster's share of 127.0.0.0/8: 127.X.0.0/16, held through an flock on a file while the cluster runs.
 
-    The lock dies with its process, so a crashed cluster's slot is free again at once.
+    The lock dies with its process, so a crashed cluster's slot is free again at once (its file stays, to be
+    locked again); a cluster stopped cleanly removes its file.
     """
 
     index: int
     fd: int = -1
+    path: Path | None = None
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -159,8 +161,21 @@ class AddressSlot:
 
     def release(self) -> None:
         if self.fd >= 0:
+            if self.path is not None:
+                # Unlinked while still locked: whoever opened the file meanwhile finds it gone once it gets
+                # the lock (``still_linked``) and moves on, so no two clusters hold one slot.
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             os.close(self.fd)
             self.fd = -1
+
+
+def still_linked(fd: int, path: Path) -> bool:
+    """Whether the file locked through ``fd`` is still the one at ``path`` (not unlinked by a releasing holder)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def claim_slot(directory: Path) -> AddressSlot:
@@ -171,15 +186,19 @@ def claim_slot(directory: Path) -> AddressSlot:
     start = int(cluster_id(directory), 16) % 254
     for i in range(254):
         index = (start + i) % 254 + 1  # 1..254: 127.0.x.x stays the control plane's
-        fd = os.open(SLOT_LOCK_DIR / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        path = SLOT_LOCK_DIR / f"{index}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             continue
+        if not still_linked(fd, path):
+            os.close(fd)
+            continue
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {directory}\n".encode())
-        return AddressSlot(index, fd)
+        return AddressSlot(index, fd, path)
     raise RuntimeError(f"all 254 loopback address slots are taken (locks in {SLOT_LOCK_DIR}); stop a local cluster")
 
 

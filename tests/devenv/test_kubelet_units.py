@@ -135,7 +135,17 @@ def test_addresses_are_loopback_and_kept_apart(tmp_path: Path) -> None:
         second.release()
     again = k.claim_slot(tmp_path / "a")  # released: the directory's preferred slot is free again
     assert again.index == first.index
-    again.release()
+    assert again.path is not None and again.path.exists()
+    # A claimer that opened the lock file before its holder released it gets the lock of a removed file:
+    # it must not take the slot (a third claimer would lock a new file of the same name).
+    late = os.open(again.path, os.O_RDWR)
+    try:
+        assert k.still_linked(late, again.path)
+        again.release()
+        assert not again.path.exists()  # a cluster stopped cleanly leaves no lock file behind
+        assert not k.still_linked(late, again.path)
+    finally:
+        os.close(late)
     assert k.shm_root(Path("/a")) != k.shm_root(Path("/b"))
 
 
