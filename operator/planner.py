@@ -27,8 +27,9 @@ batch slot longer than the TTFT target leaves after prefill, ``decode_slot_pods`
 asks for more pods through a short window (``backlog_step``): a step shows in
 the requests held an interval or two before the rates have seen it.
 The backlog's step is one pod, or up to double the role (prefill: or 4 pods
-more, HPA's default) once the rates agree that many are needed (a backlog alone also holds what queued while the pods
-were short, which they drain once there are enough).
+more, HPA's default) once the rates agree that many are needed (a backlog
+alone also holds what queued while the pods were short, which they drain once
+there are enough).
 
 Before a pod's throughput is learned, or the ITL line can be fitted, the
 planner falls back to the latency ratio (observed / target) so it still scales
@@ -922,9 +923,7 @@ class Stabiliser:
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
             return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
-        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog. (Each reading
-        # judged against the replicas of its own interval, the later one taken, chained a step's own reading,
-        # already answered, with the next while the step's pods started: decode overshot in the fluid model.)
+        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog.
         short = max(targets.scale_up_stabilization_seconds, 1.5 * targets.interval_seconds)
         pressed = min(u for t, _, u in self.history if t >= now - short)
         if pressed > current:

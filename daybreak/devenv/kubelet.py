@@ -143,7 +143,10 @@ class AddressSlot:
 
     index: int
     fd: int = -1
-    path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        return SLOT_LOCK_DIR / f"{self.index}.lock"
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -161,11 +164,10 @@ class AddressSlot:
 
     def release(self) -> None:
         if self.fd >= 0:
-            if self.path is not None:
-                # Unlinked while still locked: whoever opened the file meanwhile finds it gone once it gets
-                # the lock (``still_linked``) and moves on, so no two clusters hold one slot.
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
+            # Unlinked while still locked: whoever opened the file meanwhile finds it gone once it gets the
+            # lock (``still_linked``) and moves on, so no two clusters hold one slot.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             os.close(self.fd)
             self.fd = -1
 
@@ -198,7 +200,7 @@ def claim_slot(directory: Path) -> AddressSlot:
             continue
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {directory}\n".encode())
-        return AddressSlot(index, fd, path)
+        return AddressSlot(index, fd)
     raise RuntimeError(f"all 254 loopback address slots are taken (locks in {SLOT_LOCK_DIR}); stop a local cluster")
 
 

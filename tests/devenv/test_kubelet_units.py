@@ -135,7 +135,7 @@ def test_addresses_are_loopback_and_kept_apart(tmp_path: Path) -> None:
         second.release()
     again = k.claim_slot(tmp_path / "a")  # released: the directory's preferred slot is free again
     assert again.index == first.index
-    assert again.path is not None and again.path.exists()
+    assert again.path.exists()
     # A claimer that opened the lock file before its holder released it gets the lock of a removed file:
     # it must not take the slot (a third claimer would lock a new file of the same name).
     late = os.open(again.path, os.O_RDWR)
