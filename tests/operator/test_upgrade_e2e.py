@@ -28,7 +28,7 @@ from daybreak.client import KVPoolClient
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.pool.engine_secret import credential_secret_name
 from daybreak.serving.prompt import parse_prompt
-from daybreak.testing.e2e import E2ENamespace, ServiceProxy, is_ready, run_load, wait_for
+from daybreak.testing.e2e import E2ENamespace, ServiceProxy, run_load, wait_for
 from daybreak.testing.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -75,10 +75,10 @@ class Env:
                                     headers={"Content-Type": "application/merge-patch+json"})
         resp.raise_for_status()
 
-    def engine_pods(self) -> list[dict[str, Any]]:
+    def engine_pods(self, *, terminating: bool = False) -> list[dict[str, Any]]:
         return [p for p in self.ns.pods(f"daybreak.dev/deployment={PDD}")
-                if p["metadata"]["labels"].get("daybreak.dev/role") in ROLES and not p["metadata"].get(
-                    "deletionTimestamp")]
+                if p["metadata"]["labels"].get("daybreak.dev/role") in ROLES and (
+                    terminating or not p["metadata"].get("deletionTimestamp"))]
 
     def rolled_to(self, kv_namespace: str) -> bool:
         """Both roles run only ready pods of the current template (labelled with ``kv_namespace``)."""
@@ -219,7 +219,11 @@ def _held(env: Env, kv_namespace: str, keys: list[str]) -> list[bool]:
 
 
 class Generations:
-    """Samples every engine pod's served-request counter, keyed by the pod's kvNamespace label."""
+    """Samples every engine pod's served-request counter, keyed by the pod's kvNamespace label.
+
+    Terminating pods too: a replaced pod drains (``--drain-seconds``) and the requests it finishes then
+    count as served by its generation.
+    """
 
     def __init__(self, env: Env) -> None:
         self.env = env
@@ -230,14 +234,14 @@ class Generations:
     def _run(self) -> None:
         while not self.stop.wait(1.0):
             try:
-                pods = [p for p in self.env.engine_pods() if is_ready(p)]
+                pods = [p for p in self.env.engine_pods(terminating=True) if (p.get("status") or {}).get("podIP")]
             except httpx.HTTPError:
                 continue
             for pod in pods:
                 try:
                     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=5).text
-                except (httpx.HTTPError, KeyError):
-                    continue
+                except httpx.HTTPError:
+                    continue  # not serving yet, or gone
                 served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                              if line.startswith("vllm:request_success_total"))
                 self.samples.append((time.monotonic(), pod["metadata"]["name"],
@@ -265,9 +269,18 @@ def test_an_incompatible_upgrade_changes_the_namespace_serves_no_stale_kv_and_fl
     old_router = {p["metadata"]["name"] for p in env.ns.ready_pods(f"daybreak.dev/deployment={PDD},daybreak.dev/role=router")}
     generations = Generations(env)
     generations.thread.start()
+
+    def change() -> None:
+        env.patch_spec({"model": {"revision": "r2"}})
+        # A request sent as the change lands: the new generation's pods cannot be Ready yet (they have
+        # not started), so the old one must serve it. The load alone may send none in the old pods'
+        # last seconds (0.6 req/s, and a new engine is Ready a few seconds after the change).
+        resp = httpx.post(f"{env.router.url}/v1/completions", json={**PROBE, "prompt": "As the change lands. " * 8},
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
+
     try:
-        during = env.load_while(lambda: env.patch_spec({"model": {"revision": "r2"}}), name="incompatible",
-                                seconds=45, seed=4)
+        during = env.load_while(change, name="incompatible", seconds=45, seed=4)
         new_ns = env.wait("a new kvNamespace", lambda: (ns := env.pdd()["status"].get("kvNamespace")) != old_ns and ns)
         env.wait("the incompatible roll to finish", lambda: env.rolled_to(str(new_ns)))
         env.marks["incompatible_rolled"] = time.monotonic()
