@@ -216,11 +216,12 @@ def dev_cluster(tmp_path: Path) -> Iterator[DevCluster]:
         assert not kubelet_mod.shm_root(cluster.directory).exists()
 
 
-def _hold_slot(index: int) -> int:
-    """Take address slot ``index`` as another cluster would (its lock file); returns the fd to close."""
+def _hold_slot(index: int) -> kubelet_mod.AddressSlot:
+    """Take address slot ``index`` as another cluster would (its lock file); ``release()`` it as that cluster
+    would, which removes the file."""
     fd = os.open(kubelet_mod.SLOT_LOCK_DIR / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
+    return kubelet_mod.AddressSlot(index, fd)
 
 
 def _slot_of(addresses: dict[str, str]) -> int:
@@ -235,12 +236,12 @@ def _restart(cluster: DevCluster, tmp_path: Path, *, take_slot: bool) -> None:
     down = cluster.down()
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(_alive(_pid(p)) for p in before.values())
-    held = _hold_slot(_slot_of(nodes_before)) if take_slot else -1
+    held = _hold_slot(_slot_of(nodes_before)) if take_slot else None
     try:
         cluster.up()
     finally:
-        if held >= 0:
-            os.close(held)
+        if held is not None:
+            held.release()
 
     def restarted() -> list[dict[str, Any]] | None:
         pods = cluster.pods()
