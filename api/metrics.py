@@ -34,6 +34,9 @@ ENGINE_KV_BYTES = "daybreak_engine_kv_bytes"
 """Counter (sim engine), label ``direction`` read|written: the demo's live view."""
 ROUTER_HELD_REQUESTS = "daybreak_router_held_requests"
 """Gauge (router): requests held while no engine can take them; what wakes a role scaled to zero."""
+ROUTER_DECODE_PREFILL_REQUESTS = "daybreak_router_decode_prefill_requests"
+"""Gauge (router): requests whose prompt decode computes because no prefill pod had room (``--decode-prefill``);
+the planner counts them in prefill's backlog."""
 
 # --- The agent's store and transfer counters, read by ``daybreak status`` ---------------------------------------
 STORE_HITS = "daybreak_store_hits"  # label tier
@@ -56,7 +59,7 @@ OPERATOR_APISERVER_ERRORS = "daybreak_operator_apiserver_errors"
 SHARED: frozenset[str] = frozenset({
     VLLM_RUNNING, VLLM_WAITING, VLLM_KV_USAGE, VLLM_TTFT, VLLM_ITL, VLLM_ITL_OLD, VLLM_E2E, VLLM_PROMPT_TOKENS,
     VLLM_PREFIX_CACHE_QUERIES, VLLM_PREFIX_CACHE_HITS, VLLM_EXTERNAL_PREFIX_CACHE_HITS, ENGINE_LOCAL_ONLY_BLOCKS,
-    ENGINE_KV_BYTES, ROUTER_HELD_REQUESTS, STORE_HITS, STORE_MISSES, STORE_BYTES_OUT, STORE_BYTES,
+    ENGINE_KV_BYTES, ROUTER_HELD_REQUESTS, ROUTER_DECODE_PREFILL_REQUESTS, STORE_HITS, STORE_MISSES, STORE_BYTES_OUT, STORE_BYTES,
     TRANSFER_FALLBACK_BYTES, TRANSFER_FALLBACK_REASONS, TRANSFER_STAGED_BYTES, OPERATOR_RECONCILES, OPERATOR_APISERVER_ERRORS,
 })
 """Every name above: ``tests/test_vocabulary.py`` fails when one is spelled out again elsewhere."""

@@ -146,6 +146,15 @@ class RouterAuthSpec(ApiModel):
 class RouterSpec(ApiModel):
     """The request router that sends each request to a prefill, then a decode pod."""
 
+    __cel_rules__ = (
+        CelRule(
+            rule="self.decodePrefill == 0 || self.prefillConcurrency > 0",
+            message="decodePrefill needs prefillConcurrency: only then does the router know prefill has no room",
+            check=lambda r: r.decode_prefill == 0 or r.prefill_concurrency > 0,
+            field_path=".decodePrefill",
+        ),
+    )
+
     enabled: bool = True
     """Run the router (Deployment and Service)."""
     replicas: int = Field(default=1, ge=0, le=100)
@@ -162,6 +171,11 @@ class RouterSpec(ApiModel):
     first served) for the first pod with room, a pod the planner just started included, and the planner
     counts them as prefill's backlog. 0: no bound (a request waits in the queue of the pod it was sent to on
     arrival). About the TTFT target over one prompt's prefill time is a start."""
+    decode_prefill: int = Field(default=0, ge=0, le=256)
+    """Prompts each decode pod may compute itself, at once, for requests that find no prefill pod with room
+    (needs prefillConcurrency): they go straight to decode instead of waiting, and decode prefills them in its
+    own batch, slowing the steps of the sequences it decodes meanwhile (Dynamo's conditional
+    disaggregation). The planner counts them as prefill's backlog. 0: a request always waits for prefill."""
 
 
 class AutoscalingSpec(ApiModel):

@@ -111,6 +111,7 @@ ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds",
 # only delays the first one's first token; the rest wait in the router for the first pod with room, a pod
 # just started included (a vLLM GPU pod batches prefills to use the device: give it more).
 PREFILL_CONCURRENCY = 1
+DECODE_PREFILL = 0  # router.decodePrefill: off by default until a run shows it pays (docs/performance.md)
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
              "--output-tokens", str(OUTPUT_TOKENS)]
@@ -155,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router.prefillConcurrency of every configuration: prefill steps in flight per "
                              "prefill pod, more wait in the router for the first pod with room (0: each "
                              f"request is bound to a pod on arrival; default {PREFILL_CONCURRENCY})")
+    parser.add_argument("--decode-prefill", type=int, default=DECODE_PREFILL,
+                        help="router.decodePrefill of every configuration: prompts each decode pod may compute "
+                             "itself for requests that find no prefill room (needs --prefill-concurrency; "
+                             f"default {DECODE_PREFILL})")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--warmup-seconds", type=float, default=45.0,
                         help="before the first configuration, this much base-rate load on a throwaway 1 + 1 "
@@ -441,17 +446,21 @@ def run_revision(name: str, startup_seconds: float) -> str:
 
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
-                 startup_seconds: float = 0.0, revision: str = "r1", prefill_concurrency: int = 0) -> dict[str, Any]:
+                 startup_seconds: float = 0.0, revision: str = "r1", prefill_concurrency: int = 0,
+                 decode_prefill: int = 0) -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
 
     ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``). ``revision``: the model
     revision, part of the KV namespace: the bench gives every run its own, so no run reads the blocks an
     earlier run wrote (same seed, same prompts: every run after the first found them in the pool).
-    ``prefill_concurrency``: the router's ``prefillConcurrency`` (0: unset).
+    ``prefill_concurrency``, ``decode_prefill``: the router's ``prefillConcurrency`` and ``decodePrefill``
+    (0: unset).
     """
     router: dict[str, Any] = {"cacheStatistics": True}  # the load's hit rate reads cached_tokens
     if prefill_concurrency:
         router["prefillConcurrency"] = prefill_concurrency
+    if decode_prefill:
+        router["decodePrefill"] = decode_prefill
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
         "apiVersion": vocab.API_VERSION, "kind": "PDDeployment", "metadata": {"name": name},
@@ -594,7 +603,7 @@ class Bench:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
             name, replicas=replicas, startup_seconds=startup_seconds, prefill_concurrency=a.prefill_concurrency,
-            revision=run_revision(name, startup_seconds), autoscaling={
+            decode_prefill=a.decode_prefill, revision=run_revision(name, startup_seconds), autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
                 "policy": policy})))
@@ -796,12 +805,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     began = time.monotonic()
     startups = startup_values(args.startup_seconds)
+    if args.decode_prefill < 0 or (args.decode_prefill and args.prefill_concurrency <= 0):
+        raise SystemExit("--decode-prefill needs --prefill-concurrency (and is 0 or more)")
     if args.sample < 1 or args.time_scale <= 0:
         raise SystemExit("--sample must be at least 1 and --time-scale positive")
     settings: dict[str, Any] = {k: getattr(args, k) for k in (
         "base_rate", "base_seconds", "peak_seconds", "after_seconds", "peak_factor", "ttft", "itl", "interval",
         "up_window", "down_window", "shape", "period_seconds", "sample", "time_scale", "trace_seconds",
-        "warmup_seconds", "prefill_concurrency")}
+        "warmup_seconds", "prefill_concurrency", "decode_prefill")}
     settings["trace"] = str(args.trace) if args.trace else None
     settings["startup_seconds"] = startups
     sized = sizing(args)

@@ -38,7 +38,7 @@ from daybreak.api.enginepod import max_num_seqs
 from daybreak.api.pddeployment import PDDeployment, Role
 from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
-from daybreak.operator.engine_metrics import parse_held
+from daybreak.operator.engine_metrics import RouterBacklog, parse_router_backlog
 from daybreak.operator.kube import POD, KubeClient, KubeError, Manifest
 from daybreak.operator.metrics_scrape import Target, pod_is_live, scrape, scrape_target
 from daybreak.operator.planner import (
@@ -183,10 +183,13 @@ class Autoscaler:
         assert self._session is not None
         decisions = []
         # Where a role may go to zero, the router's held requests are what bring it back; with
-        # router.prefillConcurrency they are also prefill's backlog (requests no engine queue shows).
-        held = (await self._held_requests(ns, pdd, deadline_seconds=timeout)
-                if pdd.spec.router.prefill_concurrency > 0
-                or any(getattr(pdd.spec, r.value).bounds[0] == 0 for r in pdd_mod.ENGINE_ROLES) else None)
+        # router.prefillConcurrency they are also prefill's backlog (requests no engine queue shows), and so
+        # are the prompts decode computes for lack of prefill room (router.decodePrefill).
+        backlog = (await self._router_backlog(ns, pdd, deadline_seconds=timeout)
+                   if pdd.spec.router.prefill_concurrency > 0
+                   or any(getattr(pdd.spec, r.value).bounds[0] == 0 for r in pdd_mod.ENGINE_ROLES) else None)
+        held = backlog.held if backlog is not None else None
+        upstream = backlog.held + backlog.decode_prefill if backlog is not None else 0.0
         prefill_left = 0  # prefill pods that exist, terminating ones included (decode goes to zero after them)
         arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
         prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
@@ -217,7 +220,7 @@ class Autoscaler:
                                     prefill_left=prefill_left if role is Role.DECODE else 0,
                                     max_num_seqs=max_num_seqs(pdd.spec.engine.args) if role is Role.DECODE else None,
                                     prefill_ttft=prefill_ttft if role is Role.DECODE else None,
-                                    upstream=(held or 0.0) if role is Role.PREFILL else 0.0)
+                                    upstream=upstream if role is Role.PREFILL else 0.0)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
                 prefilling = decision.numbers.get("in_flight_now", 0.0)
@@ -233,18 +236,18 @@ class Autoscaler:
             self.submit_scale(namespace=ns, name=name, decisions=decisions)
         return decisions
 
-    async def _held_requests(self, ns: str, pdd: PDDeployment, *, deadline_seconds: float) -> float | None:
-        """Requests the deployment's routers hold for lack of engines (summed); None when no router reports it."""
+    async def _router_backlog(self, ns: str, pdd: PDDeployment, *, deadline_seconds: float) -> RouterBacklog | None:
+        """What the deployment's routers hold or send past prefill (summed); None when no router reports it."""
         if not pdd.spec.router.enabled:
             return None
         selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, Role.ROUTER).items())
         routers = [p for p in await self.client.list(POD, namespace=ns, label_selector=selector) if pod_is_live(p)]
         wanted = [t for p in routers if (t := scrape_target(p, port=pdd_mod.ENGINE_PORT)) is not None]
-        found = await asyncio.gather(*(self._held_one(t, deadline_seconds=deadline_seconds) for t in wanted))
+        found = await asyncio.gather(*(self._backlog_one(t, deadline_seconds=deadline_seconds) for t in wanted))
         values = [v for v in found if v is not None]
-        return sum(values) if values else None
+        return sum(values[1:], values[0]) if values else None
 
-    async def _held_one(self, target: Target, *, deadline_seconds: float) -> float | None:
+    async def _backlog_one(self, target: Target, *, deadline_seconds: float) -> RouterBacklog | None:
         assert self._session is not None
         try:
             async with self._session.get(target.url, timeout=aiohttp.ClientTimeout(total=deadline_seconds)) as resp:
@@ -253,7 +256,7 @@ class Autoscaler:
                 text = (await resp.content.read(1 << 20)).decode("utf-8", errors="replace")
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
-        return parse_held(text)
+        return parse_router_backlog(text)
 
     def _export(self, ns: str, name: str, d: Decision) -> None:
         for key, value in d.numbers.items():

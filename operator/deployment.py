@@ -313,6 +313,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: Pool
         container["command"].append("--cache-statistics")
     if router_spec.prefill_concurrency:
         container["command"] += ["--prefill-concurrency", str(router_spec.prefill_concurrency)]
+    if router_spec.decode_prefill:
+        container["command"] += ["--decode-prefill", str(router_spec.decode_prefill)]
     if router_spec.auth is not None:
         # The Secret as files, one per credential; the router re-reads them, so a rotation needs no restart.
         container["command"] += ["--auth-dir", ROUTER_AUTH_DIR]

@@ -40,6 +40,8 @@ LOCAL_ONLY_BLOCKS = names.ENGINE_LOCAL_ONLY_BLOCKS
 
 # The router's count of requests held while no engine can take them (scale from zero): what wakes a role at 0.
 HELD_REQUESTS = names.ROUTER_HELD_REQUESTS
+# The router's requests whose prompt decode computes for lack of prefill room: prefill's demand all the same.
+DECODE_PREFILL_REQUESTS = names.ROUTER_DECODE_PREFILL_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -165,18 +167,36 @@ def parse_metrics(text: str, *, pod: str, time: float) -> PodSample:
     )
 
 
-def parse_held(text: str) -> float | None:
-    """The router's ``daybreak_router_held_requests`` gauge (summed over label sets) from its /metrics text;
-    None when the text lacks it (a router that cannot hold requests) or is not Prometheus text."""
-    total: float | None = None
+@dataclass(frozen=True)
+class RouterBacklog:
+    """What one router's /metrics says the engines do not see in their own queues."""
+
+    held: float
+    """``daybreak_router_held_requests`` summed over roles: waiting for a ready engine or for prefill room."""
+    decode_prefill: float = 0.0
+    """``daybreak_router_decode_prefill_requests``: prompts decode computes because prefill had no room."""
+
+    def __add__(self, other: RouterBacklog) -> RouterBacklog:
+        return RouterBacklog(self.held + other.held, self.decode_prefill + other.decode_prefill)
+
+
+def parse_router_backlog(text: str) -> RouterBacklog | None:
+    """The router's held-requests (summed over label sets) and decode-prefill gauges from its /metrics text;
+    None when it lacks the held gauge (a router that cannot hold requests) or is not Prometheus text."""
+    held: float | None = None
+    decode_prefill = 0.0
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name == HELD_REQUESTS and math.isfinite(s.value):
-                    total = (total or 0.0) + s.value
+                if not math.isfinite(s.value):
+                    continue
+                if s.name == HELD_REQUESTS:
+                    held = (held or 0.0) + s.value
+                elif s.name == DECODE_PREFILL_REQUESTS:
+                    decode_prefill += s.value
     except (ValueError, TypeError, IndexError):
         return None
-    return total
+    return None if held is None else RouterBacklog(held, decode_prefill)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "in the held-requests gauge the planner reads; 0: no bound, each request goes to the "
                    "least-loaded pod when it arrives and waits in that pod's queue "
                    "($DAYBREAK_ROUTER_PREFILL_CONCURRENCY, 0)")
+    h.add_argument("--decode-prefill", type=int,
+                   default=int(_env("DAYBREAK_ROUTER_DECODE_PREFILL", "0") or 0),
+                   help="with --prefill-concurrency: prompts per ready decode pod that decode may compute itself, "
+                   "in flight at once, for requests that would wait for prefill room; 0: they always wait "
+                   "($DAYBREAK_ROUTER_DECODE_PREFILL, 0)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
                         "before stopping (in-flight requests and those still arriving)")
     parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
@@ -215,9 +220,13 @@ async def _main(args: argparse.Namespace) -> int:
     block_tokens = block_tokens_of(args.kv_layout)
     for flag, value in (("--max-concurrent-per-client", args.max_concurrent_per_client),
                         ("--max-model-len", args.max_model_len), ("--hold-queue", args.hold_queue),
-                        ("--prefill-concurrency", args.prefill_concurrency)):
+                        ("--prefill-concurrency", args.prefill_concurrency),
+                        ("--decode-prefill", args.decode_prefill)):
         if value < 0:
             raise SystemExit(f"{flag}: {value} is negative; give 0 (the default behaviour) or more")
+    if args.decode_prefill and not args.prefill_concurrency:
+        raise SystemExit("--decode-prefill needs --prefill-concurrency: only then does the router know prefill "
+                         "has no room")
     if not args.request_timeout_seconds > 0:
         raise SystemExit(f"--request-timeout-seconds: {args.request_timeout_seconds} must be positive")
     if not args.hold_seconds > 0:
@@ -236,7 +245,8 @@ async def _main(args: argparse.Namespace) -> int:
         request_timeout_seconds=args.request_timeout_seconds,
         max_concurrent_per_client=args.max_concurrent_per_client, max_model_len=args.max_model_len or None,
         cache_statistics=args.cache_statistics, debug_headers=args.debug_headers,
-        hold_queue=args.hold_queue, hold_seconds=args.hold_seconds, prefill_concurrency=args.prefill_concurrency)
+        hold_queue=args.hold_queue, hold_seconds=args.hold_seconds, prefill_concurrency=args.prefill_concurrency,
+        decode_prefill=args.decode_prefill)
     api: Any = None
 
     async def need_api() -> Any:

@@ -56,6 +56,15 @@ Bounded, so that no client starves the others (docs/security.md):
   started included, instead of the least-loaded pod's own queue at arrival.
   It never fails for room: past ``--hold-seconds`` or with the queue full
   it is bound at once as without the bound.
+- **Prefill on decode while prefill has no room** (``--decode-prefill K``,
+  with ``--prefill-concurrency``): a request that would wait for prefill
+  room goes straight to decode instead while fewer than K such prompts per
+  ready decode pod are in flight; decode computes the prompt in its own
+  batch (chunked prefill, as vLLM does), slower per step for the sequences
+  decoding beside it but not queued behind a burst. Dynamo calls this
+  conditional disaggregation. The planner counts these requests as
+  prefill's backlog (gauge ``daybreak_router_decode_prefill_requests``):
+  they are prefill's demand, served elsewhere while prefill is short.
 - **No cache oracle**: ``cached_tokens`` and the ``daybreak`` usage counters
   reach clients only with ``--cache-statistics``; pod addresses and the
   prefill outcome appear in response headers only with ``--debug-headers``;
@@ -76,6 +85,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import aiohttp
@@ -89,6 +99,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from daybreak.api.metrics import ROUTER_DECODE_PREFILL_REQUESTS as DECODE_PREFILL_REQUESTS
 from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 from daybreak.errors import DaybreakError
 from daybreak.serving import openai
@@ -157,6 +168,9 @@ class RouterConfig:
     prefill_concurrency: int = 0
     """Prefill steps in flight at once on one prefill pod; more wait in the hold queue for the first pod with
     room (``Router._prefill_room``). 0: no bound (a request is bound to a pod when it arrives)."""
+    decode_prefill: int = 0
+    """With ``prefill_concurrency``: prompts per ready decode pod that decode may compute itself, in flight at
+    once, instead of waiting for prefill room. 0: never (a request always waits for prefill)."""
 
 
 class Metrics:
@@ -188,6 +202,8 @@ class Metrics:
         self.ready_pods = Gauge("daybreak_router_ready_pods", "Ready pods per role", ["role"], registry=r)
         self.hold_seconds = Histogram("daybreak_router_hold_seconds", "Time a request was held for engines to "
                                       "start or for prefill room (released or not)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_prefill = Gauge(DECODE_PREFILL_REQUESTS, "Requests whose prompt decode computes because no "
+                                    "prefill pod had room (--decode-prefill), in flight", registry=r)
         self.held: Gauge | None = None
         """``HELD_REQUESTS`` by role: only where the router holds requests (the planner reads its absence as
         'nothing could start a role again from zero')."""
@@ -201,6 +217,14 @@ class Metrics:
         for role in roles:
             self.held.labels(role).set(0)
         return self.held
+
+
+class Room(Enum):
+    """Where a request's prompt goes under ``--prefill-concurrency`` (``Router._prefill_room``)."""
+
+    UNBOUNDED = "unbounded"  # no bound applies (none configured, queue full, past the hold): bound at once
+    SLOT = "slot"  # a prefill pod's slot was taken for it
+    DECODE = "decode"  # decode computes it (``--decode-prefill``)
 
 
 class StepFailed(DaybreakError):
@@ -301,6 +325,7 @@ class Router:
         """Requests held right now for lack of a ready engine or of prefill room (at most ``config.hold_queue``)."""
         self._room_queue: deque[object] = deque()  # requests waiting for prefill room, first come first
         self._admitting = 0  # requests let through to a prefill slot that have not begun their step yet
+        self._decode_prefilling = 0  # requests sent to decode without prefill for lack of prefill room, in flight
         if config.hold_queue > 0:
             self.metrics.export_held(["engine"] if prefill is None else ["prefill", "decode"])
 
@@ -570,12 +595,18 @@ class Router:
         if kv_namespace:
             route["x-daybreak-kv-namespace"] = kv_namespace
         prefill_usage: dict[str, Any] | None = None
+        decode_prefill = False  # decode computes the prompt for lack of prefill room: released when decode ends
         try:
             if self.prefill is not None:
                 if choice.skip_prefill(blocks=len(keys), pool_blocks=pool_blocks or 0,
                                        pool_known=pool_blocks is not None):
                     self.metrics.prefill_skipped.labels("pool_holds_prompt").inc()
                     route["x-daybreak-prefill"] = "skipped"
+                elif (room := await self._prefill_room(rid=rid, started=started,
+                                                       kv_namespace=kv_namespace)) is Room.DECODE:
+                    decode_prefill = True
+                    self.metrics.prefill_skipped.labels("no_prefill_room").inc()
+                    route["x-daybreak-prefill"] = "decode"
                 else:
                     prefill_body = {k: v for k, v in body.items() if k not in ("stream_options",)}
                     prefill_body.update(max_tokens=1, stream=False)
@@ -584,7 +615,8 @@ class Router:
                     try:
                         address, reply = await self._json_step(
                             "prefill", self.prefill, path, prefill_body, started=started, keys=keys,
-                            pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid, kv_namespace=kv_namespace)
+                            pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid, kv_namespace=kv_namespace,
+                            admitted=room is Room.SLOT)
                         prefill_usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else None
                         route["x-daybreak-prefill"] = address
                     except StepFailed as exc:
@@ -596,7 +628,7 @@ class Router:
             # What decode will find in the pool: everything once prefill wrote it (or it was skipped);
             # otherwise what the lookup saw. Decode's own engine-local prefix saves loads (or compute).
             decode_pool_blocks = pool_blocks or 0
-            if self.pool is not None and route.get("x-daybreak-prefill") not in (None, "failed"):
+            if self.pool is not None and route.get("x-daybreak-prefill") not in (None, "failed", "decode"):
                 decode_pool_blocks = len(keys)
             decode_body = dict(body)
             if self.config.debug_headers:
@@ -628,6 +660,9 @@ class Router:
             self.metrics.failures.labels(f"{exc.role}_{exc.reason}").inc()
             log.warning("event=request_failed id=%s role=%s reason=%s", rid, exc.role, exc.reason)
             return _error(503, str(exc), kind="service_unavailable")
+        finally:
+            if decode_prefill:
+                self._decode_prefill_done()
 
     # -- holding while engines start ---------------------------------------------------------------
 
@@ -696,9 +731,19 @@ class Router:
         pods = self._pods_of(self.prefill, kv_namespace)
         return sum(max(0, bound - p.in_flight) for p in [p for p in pods if p.healthy] or pods) - self._admitting
 
-    async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> bool:
+    def _decode_prefill_free(self, kv_namespace: str | None) -> bool:
+        """Whether decode may compute one more prompt of ``kv_namespace`` itself (``--decode-prefill`` per ready
+        decode pod of it, those already sent counted)."""
+        if self.config.decode_prefill <= 0:
+            return False
+        pods = [p for p in self._pods_of(self.decode, kv_namespace) if p.healthy]
+        return self._decode_prefilling < self.config.decode_prefill * len(pods)
+
+    async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> Room:
         """Wait, first come first served, until a prefill pod has fewer than ``--prefill-concurrency`` steps in
-        flight; True when a slot was taken (``_admitting`` counts it until the step begins).
+        flight (``Room.SLOT``: ``_admitting`` counts it until the step begins), or, with ``--decode-prefill``,
+        until decode may compute the prompt itself (``Room.DECODE``: counted in ``_decode_prefilling``, which
+        the caller releases when the decode step ends), whichever comes first.
 
         Why: a request bound to a pod when it arrives waits in that pod's queue even after a pod just started
         stands idle (the planner's new pods then serve only later arrivals). Held here, it goes to whichever
@@ -707,12 +752,15 @@ class Router:
         the held-requests gauge (role prefill): they are demand the engines' own queues no longer show.
         """
         if self.config.prefill_concurrency <= 0 or self.prefill is None or self.metrics.held is None:
-            return False
-        if not self._room_queue and self._prefill_free(kv_namespace) > 0:
-            self._admitting += 1
-            return True
+            return Room.UNBOUNDED
+        if not self._room_queue:
+            if self._prefill_free(kv_namespace) > 0:
+                self._admitting += 1
+                return Room.SLOT
+            if self._decode_prefill_free(kv_namespace):
+                return self._to_decode()
         if self.held >= self.config.hold_queue:
-            return False
+            return Room.UNBOUNDED
         ticket = object()
         self._room_queue.append(ticket)
         self.held += 1
@@ -722,12 +770,17 @@ class Router:
         outcome = "bound_anyway"
         try:
             while time.monotonic() < deadline and self._pods_of(self.prefill, kv_namespace):
-                if self._room_queue[0] is ticket and self._prefill_free(kv_namespace) > 0:
-                    self._admitting += 1
-                    outcome = "room"
-                    return True
+                if self._room_queue[0] is ticket:
+                    if self._prefill_free(kv_namespace) > 0:
+                        self._admitting += 1
+                        outcome = "room"
+                        return Room.SLOT
+                    if self._decode_prefill_free(kv_namespace):
+                        outcome = "decode"
+                        return self._to_decode()
+                # A prefill step ending wakes it, and so does a prefill-on-decode ending (``_decode_prefill_done``).
                 await self.prefill.changed(seconds=HOLD_POLL_SECONDS)
-            return False
+            return Room.UNBOUNDED
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -740,6 +793,17 @@ class Router:
             self.metrics.hold_seconds.observe(time.monotonic() - started)
             log.debug("event=room_wait_ended id=%s outcome=%s waited_s=%.3f", rid, outcome,
                       time.monotonic() - started)
+
+    def _to_decode(self) -> Room:
+        self._decode_prefilling += 1
+        self.metrics.decode_prefill.set(self._decode_prefilling)
+        return Room.DECODE
+
+    def _decode_prefill_done(self) -> None:
+        self._decode_prefilling -= 1
+        self.metrics.decode_prefill.set(self._decode_prefilling)
+        if self._room_queue and self.prefill is not None:
+            self.prefill.notify()  # the first in line may now go to decode
 
     def _unavailable(self, message: str) -> web.Response:
         response = _error(503, message, kind="service_unavailable")
@@ -842,13 +906,12 @@ class Router:
 
     async def _json_step(self, role: str, pods: RolePods, path: str, body: dict[str, Any], *, started: float,
                          keys: list[str], pool_blocks: int, prefix_aware: bool, rid: str,
-                         kv_namespace: str | None = None) -> tuple[str, dict[str, Any]]:
+                         kv_namespace: str | None = None, admitted: bool = False) -> tuple[str, dict[str, Any]]:
+        """One step, retried on other pods. ``admitted``: a prefill slot was taken for it (``Room.SLOT``)."""
         assert self._session is not None
         tried: set[str] = set()
         attempt = 0
         payload = json.dumps(body).encode()
-        admitted = role == "prefill" and await self._prefill_room(rid=rid, started=started,
-                                                                  kv_namespace=kv_namespace)
         while True:
             try:
                 address = await self._choose(pods, tried, started=started, keys=keys, pool_blocks=pool_blocks,

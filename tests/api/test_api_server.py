@@ -145,6 +145,8 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
      ["spec.router.enabled", "needs router.enabled"]),
     ("pdd-negative-prefill-concurrency", PDD, {"router": {"prefillConcurrency": -1}},
      ["spec.router.prefillConcurrency"]),
+    ("pdd-decode-prefill-without-concurrency", PDD, {"router": {"decodePrefill": 2}},
+     ["spec.router.decodePrefill", "decodePrefill needs prefillConcurrency"]),
     ("pdd-unknown-planner-policy", PDD, {"autoscaling": {"enabled": True, "policy": "psychic"}},
      ["spec.autoscaling.policy", "Unsupported value"]),
     ("pdd-replicas-wrong-type", PDD, {"prefill": {"replicas": "two"}}, ["spec.prefill.replicas"]),
@@ -271,7 +273,7 @@ def test_pdd_defaults(applied: Api) -> None:
     assert spec["model"]["kvLayout"]["dtype"] == "bfloat16" and spec["model"]["kvLayout"]["blockTokens"] == 16
     assert spec["updateStrategy"] == {"maxSurge": 1, "maxUnavailable": 0, "cache": "preserve"}
     assert spec["router"] == {"enabled": True, "replicas": 1, "cacheStatistics": False,  # no auth unless named
-                              "prefillConcurrency": 0}
+                              "prefillConcurrency": 0, "decodePrefill": 0}
     assert spec["autoscaling"]["enabled"] is False and spec["autoscaling"]["intervalSeconds"] == 15
 
 

@@ -755,14 +755,16 @@ def test_without_the_router_s_held_signal_a_role_keeps_one_pod() -> None:
 
 def test_the_router_s_held_gauge_and_pods_ready_times_are_read_for_the_planner() -> None:
     from daybreak.operator.autoscaler import created_at, ready_at
-    from daybreak.operator.engine_metrics import parse_held
+    from daybreak.operator.engine_metrics import RouterBacklog, parse_router_backlog
 
     text = ("# TYPE daybreak_router_held_requests gauge\n"
             "daybreak_router_held_requests{deployment=\"a\"} 2\n"
             "daybreak_router_held_requests{deployment=\"b\"} 1\n")
-    assert parse_held(text) == 3.0
-    assert parse_held("# TYPE other gauge\nother 1\n") is None
-    assert parse_held("not prometheus {{{") is None
+    assert parse_router_backlog(text) == RouterBacklog(held=3.0, decode_prefill=0.0)
+    assert parse_router_backlog(text + "# TYPE daybreak_router_decode_prefill_requests gauge\n"
+                                "daybreak_router_decode_prefill_requests 2\n") == RouterBacklog(3.0, 2.0)
+    assert parse_router_backlog("# TYPE other gauge\nother 1\n") is None
+    assert parse_router_backlog("not prometheus {{{") is None
     pods = [{"metadata": {"name": "p1"}, "status": {"conditions": [
                 {"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-02T08:00:00Z"}]}},
             {"metadata": {"name": "p2"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}},

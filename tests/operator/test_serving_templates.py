@@ -110,11 +110,11 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespac
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "sim-llama-serving"
     assert _refs_defined_before_use(container) == []
-    # router.prefillConcurrency reaches the router as its flag.
+    # router.prefillConcurrency and decodePrefill reach the router as its flags.
     bounded = PDDeployment.from_body(_load("pddeployment-sim.yaml") | {"spec": {
-        **_load("pddeployment-sim.yaml")["spec"], "router": {"prefillConcurrency": 3}}})
+        **_load("pddeployment-sim.yaml")["spec"], "router": {"prefillConcurrency": 3, "decodePrefill": 2}}})
     command = _container(_workload(pdd_mod.build(bounded, pool, image=IMAGE), Role.ROUTER))["command"]
-    assert command[-2:] == ["--prefill-concurrency", "3"]
+    assert command[-4:] == ["--prefill-concurrency", "3", "--decode-prefill", "2"]
 
 
 def test_serving_pods_may_read_their_pool_endpointslices_and_pods_and_nothing_else() -> None:

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from daybreak.api.metrics import ROUTER_HELD_REQUESTS as HELD_REQUESTS
-from daybreak.operator.engine_metrics import parse_held
+from daybreak.operator.engine_metrics import RouterBacklog, parse_router_backlog
 from daybreak.serving.router.discovery import RolePods
 from daybreak.serving.router.server import HOLD_RETRY_AFTER_SECONDS, Router, RouterConfig
 from daybreak.serving.sim.server import output_text
@@ -58,8 +58,13 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
         return await r.text()
 
 
+async def _backlog(session: aiohttp.ClientSession, url: str) -> RouterBacklog | None:
+    return parse_router_backlog(await _metrics(session, url))
+
+
 async def _held(session: aiohttp.ClientSession, url: str) -> float | None:
-    return parse_held(await _metrics(session, url))
+    backlog = await _backlog(session, url)
+    return None if backlog is None else backlog.held
 
 
 async def _until(what: str, check: Callable[[], Awaitable[bool]], *, seconds: float = 60.0) -> None:
@@ -141,7 +146,7 @@ def test_a_hold_past_its_deadline_answers_503_with_retry_after() -> None:
             assert b"--hold-seconds" in raw
             metrics = await _metrics(session, url)
             assert metric_sum(metrics, 'daybreak_router_request_failures_total{reason="hold_expired"}') == 1.0
-            assert parse_held(metrics) == 0.0
+            assert parse_router_backlog(metrics) == RouterBacklog(held=0.0)
 
     asyncio.run(_serving(RouterConfig(hold_queue=4, hold_seconds=0.5), scenario))
 
@@ -203,3 +208,49 @@ async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
     async with session.get(f"{url}/health") as r:
         body = await r.json()
     return r.status == 200 and "holding" not in str(body.get("status"))
+
+
+def test_with_decode_prefill_a_request_that_finds_no_prefill_room_is_prefilled_by_decode(tmp_path: Path) -> None:
+    """``--prefill-concurrency 1 --decode-prefill 1``: of three requests at once, the one prefill pod takes
+    one, decode computes the next one's prompt itself instead of letting it wait, and the third waits for
+    whichever frees first; the planner reads both the one waiting and the one on decode as prefill's."""
+    stack = Stack(tmp_path / "stack")
+    slow = ["--prefill-per-token-seconds", "0.03"]  # about a second per prompt on either role
+
+    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+        pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+                                        asyncio.to_thread(stack.engine, "decode", pool=False, extra=slow))
+        prefill.ready = {pre.address: None}
+        decode.ready = {dec.address: None}
+        async with aiohttp.ClientSession() as session:
+            await _until("the router to list the engines", lambda: _health_ok(session, url))
+            requests = [asyncio.create_task(_post(session, url)) for _ in range(3)]
+            await _until("one request on prefill, one prefilled by decode, one waiting",
+                         lambda: _backlog_is(session, url, RouterBacklog(held=1.0, decode_prefill=1.0)))
+            answers = await asyncio.wait_for(asyncio.gather(*requests), 60)
+            assert [status for status, _, _ in answers] == [200, 200, 200], answers
+            assert all(json.loads(raw)["choices"][0]["text"] == output_text(4) for _, _, raw in answers)
+            routes = sorted(headers["x-daybreak-prefill"] for _, headers, _ in answers)
+            assert routes.count("decode") >= 1 and routes.count(pre.address) >= 1, routes
+            metrics = await _metrics(session, url)
+            assert parse_router_backlog(metrics) == RouterBacklog(held=0.0, decode_prefill=0.0)
+            assert metric_sum(metrics, 'daybreak_router_prefill_skipped_total{reason="no_prefill_room"}') == \
+                routes.count("decode")
+
+    try:
+        asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1, decode_prefill=1,
+                                          debug_headers=True), scenario))
+    finally:
+        stack.close()
+
+
+async def _backlog_is(session: aiohttp.ClientSession, url: str, want: RouterBacklog) -> bool:
+    return await _backlog(session, url) == want
+
+
+def test_decode_prefill_without_prefill_concurrency_is_refused_naming_both_flags() -> None:
+    done = subprocess.run([sys.executable, "-m", "daybreak", "router", "--decode-endpoints", "127.0.0.1:1",
+                           "--prefill-endpoints", "127.0.0.1:2", "--decode-prefill", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--decode-prefill needs --prefill-concurrency" in done.stderr, done.stderr
