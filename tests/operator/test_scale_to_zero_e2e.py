@@ -24,7 +24,7 @@ import pytest
 
 from daybreak.bench.elastic import pdd_manifest
 from daybreak.devenv.cluster import LocalCluster
-from daybreak.operator.engine_metrics import parse_held
+from daybreak.operator.engine_metrics import parse_router_backlog
 from daybreak.testing import e2e
 from daybreak.testing.operator_process import OperatorProcess
 
@@ -141,7 +141,7 @@ def cold_start(env: Env, prompt: str) -> tuple[float, dict[str, Any]]:
     """One request to a deployment at zero: it is held, the planner starts both roles, it completes."""
     url = env.router_url()
     assert url is not None, "the router must stay Ready at zero engines"
-    assert parse_held(env.router_metrics()) == 0.0
+    assert parse_router_backlog(env.router_metrics()).held == 0.0
     try:
         seconds, usage = first_token(url, prompt)
     except AssertionError as exc:
@@ -171,7 +171,7 @@ def test_a_request_at_zero_is_held_wakes_both_roles_and_its_prompt_is_a_pool_hit
     # The pool kept the prompt's blocks while no engine ran: all but the partial tail came from it.
     assert cached >= int(usage["prompt_tokens"]) - 16, usage
     metrics = env.router_metrics()
-    assert parse_held(metrics) == 0.0
+    assert parse_router_backlog(metrics).held == 0.0
     held = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("daybreak_router_hold_seconds_count"))
     assert held >= 1, metrics
