@@ -40,7 +40,7 @@ from daybreak.operator.kube import (
 from daybreak.operator.pool_reconciler import PoolReconciler
 from daybreak.operator.rollout import Rollout
 from daybreak.operator.settings import OperatorSettings
-from daybreak.operator.state import PDD, POOL, Key, TermState, slim
+from daybreak.operator.state import PDD, POOL, Key, TermState
 from daybreak.operator.status_writer import StatusWriter
 
 logger = logging.getLogger(__name__)
@@ -157,16 +157,16 @@ class Controller:
             items = []
             for ns in scopes:
                 items += await self.client.list(rk, namespace=ns, label_selector=f"{MANAGED_BY}={MANAGER}")
-            fresh = {}
+            fresh = set()
             for item in items:
                 item.setdefault("apiVersion", rk.api_version)
                 item.setdefault("kind", rk.kind)
                 meta = item["metadata"]
-                fresh[(rk.kind, meta["namespace"], meta["name"])] = slim(item)
+                fresh.add((rk.kind, meta["namespace"], meta["name"]))
             for stale in [k for k in children if k[0] == rk.kind and k not in fresh]:
                 del children[stale]
-            # Possibly older than a concurrent watch event or apply: that only costs one extra apply.
-            children.update(fresh)
+            for item in items:
+                self.state.cache_child(item)  # not over a newer version (a concurrent apply's answer)
 
     async def resync(self) -> None:
         """Queue a full reconcile of every object in scope and sweep the agent binding's stale subjects."""
@@ -195,7 +195,7 @@ class Controller:
                 else:
                     obj.setdefault("apiVersion", PDDEPLOYMENT.api_version)
                     obj.setdefault("kind", PDD)
-                    state.pdds[(meta["namespace"], meta["name"])] = obj  # fresh from the LIST
+                    state.cache_parent(key, obj)  # fresh from the LIST
                 state.request(key, full=True)
         await self.binding.sweep(live)
         logger.debug("resync queued pools=%d pddeployments=%d", len(pools), len(pdds))

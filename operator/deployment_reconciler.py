@@ -32,7 +32,7 @@ from daybreak.operator.planner import Decision
 from daybreak.operator.pool_policy import PolicyError
 from daybreak.operator.rollout import Rollout
 from daybreak.operator.settings import OperatorSettings
-from daybreak.operator.state import PDD, Key, TermState
+from daybreak.operator.state import PDD, POOL, Key, TermState
 from daybreak.operator.status_writer import StatusWriter
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class DeploymentReconciler:
         if pool_body is None:
             pool_body = await self.client.get_or_none(KVPOOL, pool_name, namespace=ns)
             if pool_body is not None:
-                self.state.pools[(ns, pool_name)] = pool_body
+                self.state.cache_parent((POOL, ns, pool_name), pool_body)
         old_status = body.get("status") or {}
         if pool_body is None:
             status = pdd_mod.status(pdd, pool=None, workloads={}, revision=None, existing=old_status,

@@ -20,7 +20,7 @@ import kopf
 
 from daybreak.operator.children import MANAGED_BY, MANAGER
 from daybreak.operator.kube import DAEMONSET, DEPLOYMENT, KVPOOL, PDDEPLOYMENT, Credentials, Manifest
-from daybreak.operator.state import PDD, POOL, Key, TermState, controller_owner, slim
+from daybreak.operator.state import PDD, POOL, Key, TermState, controller_owner
 
 
 class EventIntake:
@@ -42,9 +42,11 @@ class EventIntake:
         if meta.get("resourceVersion") == state.own_status_rv.get(key):
             return None
         generation = int(meta.get("generation") or 0)
-        changed = state.generations.get(key) != generation
+        seen = state.generations.get(key)
+        if seen is not None and generation <= seen:
+            return False  # the same spec, or an event older than one already seen
         state.generations[key] = generation
-        return changed
+        return True
 
     def on_pool_event(self, type_: str | None, obj: Manifest) -> None:
         state = self.state
@@ -55,11 +57,14 @@ class EventIntake:
         ns, name = key[1], key[2]
         if type_ == "DELETED":
             state.pools.pop((ns, name), None)
+            state.generations.pop(key, None)  # a pool created again under the name starts at generation 1
             state.request(key, full=True)
             state.touch_dependents(ns, name, full=True)
             return
         known = (ns, name) in state.pools
-        state.pools[(ns, name)] = obj
+        # An event older than the cached body (what our own write returned) still says whether the spec
+        # moved, but never replaces the newer body.
+        state.cache_parent(key, obj)
         changed = self._spec_changed(key, meta)
         if changed is None:
             return
@@ -84,7 +89,7 @@ class EventIntake:
             self.forget_deployment(ns, name)
             return  # the garbage collector removes the children (owner references)
         state.pool_of[(ns, name)] = str(((obj.get("spec") or {}).get("poolRef") or {}).get("name", ""))
-        state.pdds[(ns, name)] = obj
+        state.cache_parent(key, obj)  # unless it is older than the cached body (see on_pool_event)
         if self._spec_changed(key, meta):
             state.request(key, full=True)
 
@@ -103,7 +108,8 @@ class EventIntake:
             state.request(parent, full=True)  # drift: put it back now, not at the next re-sync
             return
         old = state.children.get(ckey)
-        state.children[ckey] = slim(obj)
+        if not state.cache_child(obj):
+            return  # older than what our own apply returned, which already holds this change
         # Its spec changed (maybe a hand edit): re-assert ours.
         changed = old is not None and (old.get("metadata") or {}).get("generation") != meta.get("generation")
         state.request(parent, full=changed)

@@ -47,7 +47,7 @@ class PoolReconciler:
             await self.binding.unbind(ns, pool_mod.PoolNames(name, ns).service_account)
             self.state.applied.discard(key)
             return "gone"
-        self.state.pools[(ns, name)] = body
+        self.state.cache_parent(key, body)
         try:
             pool = KVPool.from_body(body)
         except ValidationError as exc:

@@ -27,7 +27,7 @@ from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator.events import EventRecorder
 from daybreak.operator.kube import KVNODE, KVPOOL, KubeClient, KubeError, Manifest
-from daybreak.operator.state import Key, TermState
+from daybreak.operator.state import POOL, Key, TermState
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Rollout:
             entry = {**mine, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
             updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": [
                 *requests, entry]}}, namespace=pool_meta["namespace"], subresource="status")
-            self.state.pools[(pool_meta["namespace"], pool_meta["name"])] = updated
+            self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)
             logger.info("flush requested namespace=%s name=%s kvNamespace=%s pool=%s", meta["namespace"],
                         meta["name"], old_ns, pool_meta["name"])
             return
@@ -146,4 +146,4 @@ class Rollout:
         rest = [r for r in requests if not (r.get("kvNamespace") == old_ns and r.get("requestedAt") == at)]
         updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": rest}},
                                                 namespace=pool_meta["namespace"], subresource="status")
-        self.state.pools[(pool_meta["namespace"], pool_meta["name"])] = updated
+        self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)

@@ -42,6 +42,30 @@ def slim(obj: Manifest) -> Manifest:
             "spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
 
+def _rv_key(obj: Manifest | None) -> tuple[int, str] | None:
+    """``obj``'s resourceVersion as a sortable key, or None when it is not a comparable one.
+
+    KEP-5504 (GA in Kubernetes 1.35) makes resourceVersions of one resource type comparable: a
+    decimal integer without leading zeros, ordered by length and then lexically.
+    """
+    rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+    if not rv.isdigit() or rv.startswith("0"):
+        return None
+    return len(rv), rv
+
+
+def is_older(obj: Manifest, than: Manifest | None) -> bool:
+    """Whether ``obj`` is a version of the object older than ``than`` (False when they cannot be compared).
+
+    The caches hold what our own writes returned, and the watch delivers the events before each write
+    afterwards: without this check such an event put the older body back, and a reconcile read a
+    status field its last write had set as unset (a cache flush was requested again and freed 0
+    bytes; a scale decision could be read as not made).
+    """
+    new, cached = _rv_key(obj), _rv_key(than)
+    return new is not None and cached is not None and new < cached
+
+
 def controller_owner(obj: Manifest) -> tuple[str, str] | None:
     """``(kind, name)`` of the Daybreak object that controls ``obj``, or None when it is not one of ours."""
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
@@ -90,10 +114,15 @@ class TermState:
     def cached_child(self, kind: str, ns: str | None, name: str) -> Manifest | None:
         return self.children.get((kind, ns or "", name))
 
-    def cache_child(self, obj: Manifest) -> None:
-        """Remember a child as the apiserver returned it (after an apply)."""
+    def cache_child(self, obj: Manifest) -> bool:
+        """Remember a child as the apiserver returned it (an apply, a watch event) unless the cache holds a
+        newer version of it; returns whether it was stored."""
         meta = obj["metadata"]
-        self.children[(str(obj.get("kind")), str(meta.get("namespace") or ""), str(meta["name"]))] = slim(obj)
+        key = (str(obj.get("kind")), str(meta.get("namespace") or ""), str(meta["name"]))
+        if is_older(obj, self.children.get(key)):
+            return False
+        self.children[key] = slim(obj)
+        return True
 
     def cache_applied(self, objs: Iterable[Manifest]) -> None:
         """Remember the watched children (Deployments, DaemonSets) among what an apply returned: the status
@@ -102,7 +131,11 @@ class TermState:
             if obj.get("kind") in WATCHED_KINDS:
                 self.cache_child(obj)
 
-    def cache_parent(self, key: Key, body: Manifest) -> None:
-        """Remember a KVPool or PDDeployment body as the apiserver returned it."""
+    def cache_parent(self, key: Key, body: Manifest) -> bool:
+        """Remember a KVPool or PDDeployment body as the apiserver returned it (a write, a GET, a LIST, a
+        watch event) unless the cache holds a newer version of it; returns whether it was stored."""
         cache: dict[tuple[str, str], Any] = self.pdds if key[0] == PDD else self.pools
+        if is_older(body, cache.get((key[1], key[2]))):
+            return False
         cache[(key[1], key[2])] = body
+        return True

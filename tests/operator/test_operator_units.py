@@ -444,6 +444,53 @@ def test_the_watch_intake_asks_for_full_reconciles_on_spec_changes_and_status_re
     assert _drain(state.queue) == [pool_key]
 
 
+def test_a_watch_event_older_than_our_own_write_never_replaces_the_cached_body() -> None:
+    """The status writer caches what its write returned; the watch then delivers the events before that
+    write. Such an event put the older body back, and the next reconcile saw a status field the write
+    had set as unset (a flush requested again, freeing 0 bytes; reported from the upgrade e2e test)."""
+    from daybreak.operator.kopf_adapter import EventIntake
+    from daybreak.operator.state import PDD, TermState
+
+    state = TermState(namespaces=(), max_backoff_seconds=1.0)
+    intake = EventIntake(state, forget_deployment=lambda ns, name: None)
+    key = (PDD, "ns", "d")
+
+    def pdd(generation: int, rv: str, freed: int | None) -> dict[str, Any]:
+        return {"kind": "PDDeployment", "spec": {"poolRef": {"name": "p"}},
+                "metadata": {"namespace": "ns", "name": "d", "generation": generation, "resourceVersion": rv},
+                "status": {"retiredKVNamespace": {"bytesFreed": freed}}}
+
+    intake.on_pdd_event("ADDED", pdd(1, "98", None))
+    _drain(state.queue)
+    state.needs_apply.clear()
+    state.cache_parent(key, pdd(1, "105", 4096))  # our write's answer (the status writer does this)
+    state.own_status_rv[key] = "105"
+    intake.on_pdd_event("MODIFIED", pdd(1, "99", None))  # an earlier status write, delivered late
+    assert state.pdds[("ns", "d")]["status"]["retiredKVNamespace"]["bytesFreed"] == 4096
+    assert _drain(state.queue) == [] and not state.needs_apply
+    # A spec change made before our write: not cached (the write's answer holds it), but it is reconciled.
+    intake.on_pdd_event("MODIFIED", pdd(2, "100", None))
+    assert state.pdds[("ns", "d")]["metadata"]["resourceVersion"] == "105"
+    assert _drain(state.queue) == [key] and state.needs_apply == {key}
+    state.needs_apply.clear()
+    intake.on_pdd_event("MODIFIED", pdd(1, "99", None))  # older than a generation already seen: nothing
+    assert _drain(state.queue) == [] and not state.needs_apply
+    intake.on_pdd_event("MODIFIED", pdd(2, "105", 4096))  # the echo of our write
+    intake.on_pdd_event("MODIFIED", pdd(2, "1000", 0))  # a newer write (another length: compared as numbers)
+    assert state.pdds[("ns", "d")]["metadata"]["resourceVersion"] == "1000"
+
+    child = {"kind": "Deployment", "spec": {"replicas": 3}, "metadata": {
+        "namespace": "ns", "name": "d-decode", "generation": 4, "resourceVersion": "200",
+        "ownerReferences": [{"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "name": "d",
+                             "controller": True}]}}
+    state.cache_applied([child])  # an apply's answer
+    _drain(state.queue)
+    intake.on_child_event("MODIFIED", {**child, "spec": {"replicas": 2},
+                                       "metadata": {**child["metadata"], "generation": 3, "resourceVersion": "190"}})
+    assert state.children[("Deployment", "ns", "d-decode")]["spec"] == {"replicas": 3}
+    assert _drain(state.queue) == [] and not state.needs_apply
+
+
 def test_planner_decisions_reach_the_deployments_next_reconcile_through_submit_scale() -> None:
     """The autoscaler holds only a ``submit_scale`` callable: the decision is queued as a full reconcile and
     written into status (desiredReplicas, lastScale, an Event) by that reconcile, not by the planner."""
