@@ -12,7 +12,8 @@ an operator restart resumes it):
 3. RETIRED. Per ``updateStrategy.cache``: ``retain`` leaves its blocks to the
    watermarks; ``flush`` asks the pool's agents through the KVPool's
    ``status.flushRequests`` (the operator holds no store credential) and sums
-   their KVNode reports into ``status.retiredKVNamespace.bytesFreed``.
+   their KVNode reports into ``status.retiredKVNamespace.bytesFreed``; a later
+   reconcile, reading that sum back, withdraws the request.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from daybreak.operator import deployment as pdd_mod
 from daybreak.operator import metrics
 from daybreak.operator.events import EventRecorder
 from daybreak.operator.kube import KVNODE, KVPOOL, KubeClient, KubeError, Manifest
-from daybreak.operator.state import POOL, Key, TermState
+from daybreak.operator.state import PDD, POOL, Key, TermState
 
 logger = logging.getLogger(__name__)
 
@@ -95,20 +96,31 @@ class Rollout:
 
         The request is (kvNamespace, retiredAt) in ``status.flushRequests`` of the KVPool; each agent flushes
         its own store in-process and lists what it freed in its KVNode's ``status.namespaceFlushes``. Once
-        every agent of the pool (its endpoints) has answered, the sum goes to retiredKVNamespace.bytesFreed,
-        an Event says so and the request leaves the KVPool. Until then each reconcile (or resync) looks again.
+        every agent of the pool (its endpoints) has answered, the sum goes to retiredKVNamespace.bytesFreed
+        and an Event says so; the request leaves the KVPool only at a reconcile that reads that sum back
+        from the stored object. Withdrawn in the same reconcile, an operator stopped before its status write
+        found the request gone and no sum: it asked again, the agents freed nothing more, and 0 was stored.
+        Until every agent has answered, each reconcile (or resync) looks again.
         """
         # A copy: ``status`` shares this dict with the cached body it is compared against before writing,
         # so editing it in place made the write look unnecessary and bytesFreed was never stored (the
         # request then went out again at every reconcile).
         retired = dict(status.get("retiredKVNamespace") or {})
-        if retired.get("policy") != "flush" or retired.get("bytesFreed") is not None or not retired.get("retiredAt"):
+        if retired.get("policy") != "flush" or not retired.get("retiredAt"):
             return
         try:
-            await self._flush_step(body, pool_body=pool_body, status=status, retired=retired)
+            if retired.get("bytesFreed") is None:
+                await self._flush_step(body, pool_body=pool_body, status=status, retired=retired)
+            else:
+                await self._withdraw(pool_body, retired=retired)
         except KubeError as exc:  # the deployment's own status still gets written; the next reconcile retries
             logger.warning("cache flush step failed kvNamespace=%s status=%s error=%s; retrying at the next "
                            "reconcile", retired.get("kvNamespace"), exc.status, exc)
+
+    @staticmethod
+    def _is_request(entry: dict[str, Any], retired: dict[str, Any]) -> bool:
+        return entry.get("kvNamespace") == retired.get("kvNamespace") and entry.get("requestedAt") == retired.get(
+            "retiredAt")
 
     async def _flush_step(self, body: Manifest, *, pool_body: Manifest, status: dict[str, Any],
                           retired: dict[str, Any]) -> None:
@@ -117,10 +129,9 @@ class Rollout:
         pool_meta = pool_body["metadata"]
         pool_status = pool_body.get("status") or {}
         requests = list(pool_status.get("flushRequests") or [])
-        mine = {"kvNamespace": old_ns, "requestedAt": at}
-        if not any(r.get("kvNamespace") == old_ns and r.get("requestedAt") == at for r in requests):
+        if not any(self._is_request(r, retired) for r in requests):
             self.check_leader()
-            entry = {**mine, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
+            entry = {"kvNamespace": old_ns, "requestedAt": at, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
             updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": [
                 *requests, entry]}}, namespace=pool_meta["namespace"], subresource="status")
             self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)
@@ -142,8 +153,19 @@ class Rollout:
         status["retiredKVNamespace"] = retired
         metrics.CACHE_FLUSHED_BYTES.labels(namespace=meta["namespace"], deployment=meta["name"]).inc(total)
         self.events.record(body, reason="KVNamespaceFlushed", message=retired["message"])
+        # The reconcile writes the sum after this returns; the one after it withdraws the request.
+        self.state.request((PDD, meta["namespace"], meta["name"]), full=False)
+
+    async def _withdraw(self, pool_body: Manifest, *, retired: dict[str, Any]) -> None:
+        """The sum is stored: take the request off the KVPool (the agents then forget their reports)."""
+        pool_meta = pool_body["metadata"]
+        requests = list((pool_body.get("status") or {}).get("flushRequests") or [])
+        rest = [r for r in requests if not self._is_request(r, retired)]
+        if len(rest) == len(requests):
+            return
         self.check_leader()
-        rest = [r for r in requests if not (r.get("kvNamespace") == old_ns and r.get("requestedAt") == at)]
         updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": rest}},
                                                 namespace=pool_meta["namespace"], subresource="status")
         self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)
+        logger.info("flush request withdrawn kvNamespace=%s pool=%s bytesFreed=%s", retired.get("kvNamespace"),
+                    pool_meta["name"], retired.get("bytesFreed"))
