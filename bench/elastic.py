@@ -19,7 +19,8 @@ Azure trace has no prefix ids at all; Mooncake's reuse only lowers the work).
 start-up delay (``daybreak sim-engine --startup-seconds``); a fixed one runs at
 the first delay only and stands for the others (its pods are Ready before the
 load starts, so the delay cannot touch it). The ``predictive`` configuration
-runs the planner with ``policy: predictive``.
+runs the planner with ``policy: predictive``. ``--seeds 7,8,9`` runs each
+configuration once per load seed and pools the runs into its row (``pooled``).
 
 One local cluster (real control plane, kwok nodes, the process kubelet
 running agents, sim engines and routers as real processes) and one operator;
@@ -75,7 +76,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router.decodePrefill of every configuration: prompts each decode pod may compute "
                              "itself for requests that find no prefill room (needs --prefill-concurrency; "
                              f"default {DECODE_PREFILL})")
+    parser.add_argument("--seeds", default="7",
+                        help="load seeds, comma-separated: each configuration runs once per seed and its row "
+                             "pools them (shares over all requests, mean pod-seconds, counts summed; each run and "
+                             "the spread in the JSON), e.g. 7,8,9 to see a result's run-to-run spread")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--warmup-seconds", type=float, default=45.0,
                         help="before the first configuration, this much base-rate load on a throwaway 1 + 1 "
@@ -436,13 +441,62 @@ def startup_values(spec: str) -> list[float]:
     return values
 
 
+def seed_values(spec: str) -> list[int]:
+    """``--seeds 7,8,9`` -> [7, 8, 9]: distinct non-negative integers."""
+    try:
+        values = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {spec!r}: give integers, e.g. 7,8,9") from None
+    if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise SystemExit(f"--seeds {spec!r}: give one or more distinct integers, 0 or more")
+    return values
+
+
+def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row for the runs of one configuration (one per seed): the SLO shares over all their requests
+    (each run weighted by its requests), pod-seconds and spans the mean, requests, failures, scale events and
+    steady-span changes summed, peaks the highest; ``runs`` keeps each run whole and ``spread`` the range of
+    each run's share within both targets and of its pod-seconds."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+
+    def share(metric: str) -> float | None:
+        had = [(r["slo"][metric], r["requests"]) for r in runs if r["slo"].get(metric) is not None and r["requests"]]
+        total = sum(n for _, n in had)
+        return sum(v * n for v, n in had) / total if total else None
+
+    def mean(values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known else None
+
+    steady = [r.get("steady_changes") for r in runs]
+    both = [r["slo"]["both"] for r in runs if r["slo"].get("both") is not None]
+    return {
+        "config": first["config"], "startup_seconds": first["startup_seconds"],
+        "replicas_at_start": first["replicas_at_start"], "seeds": [r.get("seed") for r in runs],
+        "requests": sum(r["requests"] for r in runs),
+        "failed_requests": sum(r["failed_requests"] for r in runs),
+        "slo": {m: share(m) for m in first["slo"]},
+        "pod_seconds": mean(r["pod_seconds"] for r in runs),
+        "span_s": mean(r["span_s"] for r in runs),
+        "peak_ready": {role: max(r["peak_ready"][role] for r in runs) for role in first["peak_ready"]},
+        "reaction_s": {role: mean(r["reaction_s"][role] for r in runs) for role in first["reaction_s"]},
+        "scale_events": sum(r["scale_events"] for r in runs),
+        "steady_changes": None if any(v is None for v in steady) else sum(int(v or 0) for v in steady),
+        "spread": {"both": [min(both), max(both)] if both else None,
+                   "pod_seconds": [min(r["pod_seconds"] for r in runs), max(r["pod_seconds"] for r in runs)]},
+        "runs": list(runs),
+    }
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def run_revision(name: str, startup_seconds: float) -> str:
-    """The model revision of one measured run, part of its KV namespace: one per configuration and start-up
-    delay, as the pool keeps blocks across deployments and every run sends the same prompts (one seed)."""
-    return f"{name}-{startup_seconds:g}s"
+def run_revision(name: str, startup_seconds: float, seed: int = 7) -> str:
+    """The model revision of one measured run, part of its KV namespace: one per configuration, start-up
+    delay and seed, as the pool keeps blocks across deployments and runs of one seed send the same prompts."""
+    return f"{name}-{startup_seconds:g}s" + ("" if seed == 7 else f"-s{seed}")
 
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
@@ -485,10 +539,11 @@ class Sample:
     decode_ready: int
 
 
-def load_argv(args: argparse.Namespace, *, token_scale: tuple[float, float]) -> list[str]:
-    """``daybreak load`` arguments (less --url) for the bench's load: the trace, or sessions in the shape."""
+def load_argv(args: argparse.Namespace, *, token_scale: tuple[float, float], seed: int = 7) -> list[str]:
+    """``daybreak load`` arguments (less --url) for the bench's load: the trace, or sessions in the shape.
+    ``seed``: the sessions' arrivals (a shape's Poisson times) and their prompts; a trace's times are its own."""
     a = args
-    common = ["--seed", "7", "--request-timeout", "120", "--quiet"]
+    common = ["--seed", str(seed), "--request-timeout", "120", "--quiet"]
     if a.trace is not None:
         argv = ["--trace", str(a.trace), "--sample", str(a.sample), "--time-scale", f"{a.time_scale:g}",
                 "--token-scale", f"{token_scale[0]:.6g}", "--output-scale", f"{token_scale[1]:.6g}", *common]
@@ -599,23 +654,24 @@ class Bench:
             stop.wait(1.0)
 
     def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int], policy: str,
-               startup_seconds: float) -> None:
+               startup_seconds: float, seed: int = 7) -> None:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
             name, replicas=replicas, startup_seconds=startup_seconds, prefill_concurrency=a.prefill_concurrency,
-            decode_prefill=a.decode_prefill, revision=run_revision(name, startup_seconds), autoscaling={
+            decode_prefill=a.decode_prefill, revision=run_revision(name, startup_seconds, seed), autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
                 "policy": policy})))
 
-    def load(self, url: str, records: list[RequestRecord], argv: list[str] | None = None) -> dict[str, Any]:
+    def load(self, url: str, records: list[RequestRecord], argv: list[str] | None = None, *,
+             seed: int = 7) -> dict[str, Any]:
         from daybreak.serving.load import add_arguments as load_arguments
         from daybreak.serving.load import run_load
 
         parser = argparse.ArgumentParser()
         load_arguments(parser)
         ns = parser.parse_args(["--url", url, *(argv if argv is not None
-                                                else load_argv(self.args, token_scale=self.token_scale))])
+                                                else load_argv(self.args, token_scale=self.token_scale, seed=seed))])
         return asyncio.run(run_load(ns, records=records))
 
     def warm_up(self, seconds: float) -> None:
@@ -637,17 +693,18 @@ class Bench:
         self.cluster.kubectl("delete", "-n", NS, "pddeployment", name, "--wait=false")
         self.wait(f"{name}: pods gone", lambda: not self.pods(name), timeout=180)
 
-    def run_config(self, config: str, *, startup_seconds: float) -> dict[str, Any]:
+    def run_config(self, config: str, *, startup_seconds: float, seed: int = 7) -> dict[str, Any]:
         a = self.args
         name = f"el-{config}"
         autoscale = config in ("planner", "predictive")
         replicas = {"planner": (1, 1), "predictive": (1, 1), "fixed-peak": self.sizing["fixed_peak_replicas"],
                     "fixed-avg": self.sizing["fixed_avg_replicas"]}[config]
-        print(f"[{config} start-up {startup_seconds:g}s] deploying {replicas[0]} prefill + {replicas[1]} decode "
+        print(f"[{config} start-up {startup_seconds:g}s seed {seed}] deploying {replicas[0]} prefill + {replicas[1]} decode "
               f"(autoscaling {'on, policy ' + ('predictive' if config == 'predictive' else 'reactive') if autoscale else 'off'})",
               flush=True)
         self.deploy(name, autoscale=autoscale, replicas=replicas,
-                    policy="predictive" if config == "predictive" else "reactive", startup_seconds=startup_seconds)
+                    policy="predictive" if config == "predictive" else "reactive", startup_seconds=startup_seconds,
+                    seed=seed)
         url = self.wait(f"{name}: router and {replicas} engines ready", lambda: all(
             self.ready(name, r) >= n for r, n in zip(("prefill", "decode"), replicas, strict=True))
             and self.router_url(name), timeout=240.0 + startup_seconds)
@@ -658,7 +715,7 @@ class Bench:
         time.sleep(1.5)
         records: list[RequestRecord] = []
         start = time.monotonic()
-        summary = self.load(url, records)
+        summary = self.load(url, records, seed=seed)
         end = time.monotonic()
         stop.set()
         sampler.join(timeout=5)
@@ -672,7 +729,7 @@ class Bench:
         events = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name={name},"
                           f"involvedObject.uid={pdd['metadata']['uid']},reason=Autoscaled")["items"]
         result = {
-            "config": config, "startup_seconds": startup_seconds, "replicas_at_start": list(replicas),
+            "config": config, "startup_seconds": startup_seconds, "seed": seed, "replicas_at_start": list(replicas),
             "requests": len(records), "failed_requests": sum(1 for r in records if not r.ok),
             "slo": slo_share(records, ttft=a.ttft, itl=a.itl),
             "pod_seconds": pod_seconds([(t, p + d) for (t, p), (_, d) in zip(prefill, decode, strict=True)],
@@ -805,6 +862,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     began = time.monotonic()
     startups = startup_values(args.startup_seconds)
+    seeds = seed_values(args.seeds)
     if args.decode_prefill < 0 or (args.decode_prefill and args.prefill_concurrency <= 0):
         raise SystemExit("--decode-prefill needs --prefill-concurrency (and is 0 or more)")
     if args.sample < 1 or args.time_scale <= 0:
@@ -815,6 +873,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup_seconds", "prefill_concurrency", "decode_prefill")}
     settings["trace"] = str(args.trace) if args.trace else None
     settings["startup_seconds"] = startups
+    settings["seeds"] = seeds
     sized = sizing(args)
     settings.update(sized)
     if args.trace is not None:
@@ -823,7 +882,7 @@ def run(args: argparse.Namespace) -> int:
               f"its busiest 30 s ({sized['trace']['busiest_30s_rate']:.3g} req/s; busiest minute "
               f"{sized['trace']['busiest_minute_rate']:.3g}) needs at most {MAX_PODS} pods per role", flush=True)
     print(f"bench elastic: {json.dumps(settings)}; engine args {' '.join(ENGINE_ARGS)}; "
-          f"load {' '.join(load_argv(args, token_scale=sized['token_scale']))}", flush=True)
+          f"load {' '.join(load_argv(args, token_scale=sized['token_scale'], seed=seeds[0]))}", flush=True)
     cluster = LocalCluster(workdir / "cluster", ClusterSpec(nodes=2, devices_per_node=8, process_kubelet=True),
                            progress=lambda m: print(f"  cluster: {m}", flush=True))
     results: dict[str, dict[str, Any]] = {}
@@ -854,7 +913,8 @@ def run(args: argparse.Namespace) -> int:
                         results[key] = {**fixed[config], "startup_seconds": startup,
                                         "measured_at_startup_seconds": fixed[config]["startup_seconds"]}
                         continue
-                    results[key] = bench.run_config(config, startup_seconds=startup)
+                    results[key] = pooled([bench.run_config(config, startup_seconds=startup, seed=seed)
+                                           for seed in seeds])
                     if config.startswith("fixed-"):
                         fixed[config] = results[key]
     finally:
@@ -871,6 +931,12 @@ def run(args: argparse.Namespace) -> int:
            "wall_s": time.monotonic() - began}
     print()
     print(table(results))
+    if len(seeds) > 1:
+        print(f"(each row pools {len(seeds)} runs, seeds {','.join(map(str, seeds))}: shares over all their requests, "
+              f"pod-seconds the mean, counts summed; per run, share within both / pod-seconds:)")
+        for key, r in results.items():
+            print(f"  {key}: " + ", ".join(f"{_fmt(run['slo']['both'], '.1%')} / {run['pod_seconds']:.0f}"
+                                           for run in r.get("runs") or [r]))
     print(json.dumps(out["ratios"]))
     peak = next((r for key, r in results.items() if key.partition("@")[0] == "fixed-peak"), None)
     if peak and peak["pod_seconds"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,10 +176,11 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     # Every run its own KV namespace (the revision is part of it): no run reads what an earlier one wrote.
     from daybreak.api.pddeployment import PDDeployment
 
-    runs = [(name, startup) for name in ("el-planner", "el-predictive", "el-fixed-peak") for startup in (1.0, 30.0)]
+    runs = [(name, startup, seed) for name in ("el-planner", "el-predictive", "el-fixed-peak")
+            for startup in (1.0, 30.0) for seed in (7, 8)]
     spaces = {PDDeployment.model_validate(pdd_manifest(name, replicas=(1, 1), autoscaling={},
-                                                       revision=run_revision(name, startup))).spec.kv_namespace()
-              for name, startup in runs}
+                                                       revision=run_revision(name, startup, seed))).spec.kv_namespace()
+              for name, startup, seed in runs}
     assert len(spaces) == len(runs)
 
     def result(both: float, pods: float) -> dict[str, object]:
@@ -246,3 +248,34 @@ def test_the_bench_reports_an_oracle_floor_below_fixed_peak_for_shapes_and_trace
                          down_window=20.0))
     assert trace["oracle_pod_seconds_no_hold"] < trace["oracle_pod_seconds"]
     assert trace["oracle_pod_seconds"] < sum(trace["fixed_peak_replicas"]) * 90
+
+
+def test_repeated_seeds_pool_into_one_row_and_keep_each_run() -> None:
+    """``--seeds 7,8``: each configuration runs once per seed; its row's shares are over all the runs'
+    requests, its pod-seconds their mean, and each run stays in the JSON with the spread."""
+    from daybreak.bench.elastic import load_argv, pooled, seed_values
+
+    assert seed_values("7, 8,9") == [7, 8, 9]
+    for bad in ("7,7", "-1", "x", ""):
+        with pytest.raises(SystemExit, match="--seeds"):
+            seed_values(bad)
+    argv = load_argv(_args(shape="sine"), token_scale=(1.0, 1.0), seed=8)
+    assert argv[argv.index("--seed") + 1] == "8"
+
+    def run(seed: int, requests: int, both: float, pods: float, steady: int | None) -> dict[str, Any]:
+        return {"config": "planner", "startup_seconds": 1.0, "seed": seed, "replicas_at_start": [1, 1],
+                "requests": requests, "failed_requests": 1 if seed == 8 else 0,
+                "slo": {"ttft": both, "itl": 1.0, "both": both}, "pod_seconds": pods, "span_s": 160.0,
+                "peak_ready": {"prefill": 3 if seed == 7 else 4, "decode": 2},
+                "reaction_s": {"prefill": 4.0 if seed == 7 else None, "decode": 6.0},
+                "scale_events": 5, "steady_changes": steady}
+
+    one = run(7, 100, 0.9, 500.0, 1)
+    assert pooled([one]) is one  # one seed: the row is the run, as before
+    row = pooled([one, run(8, 300, 0.98, 700.0, 2)])
+    assert row["requests"] == 400 and row["failed_requests"] == 1 and row["seeds"] == [7, 8]
+    assert row["slo"]["both"] == pytest.approx((0.9 * 100 + 0.98 * 300) / 400)  # over all requests
+    assert row["pod_seconds"] == 600.0 and row["spread"] == {"both": [0.9, 0.98], "pod_seconds": [500.0, 700.0]}
+    assert row["peak_ready"] == {"prefill": 4, "decode": 2} and row["reaction_s"] == {"prefill": 4.0, "decode": 6.0}
+    assert row["scale_events"] == 10 and row["steady_changes"] == 3 and len(row["runs"]) == 2
+    assert pooled([one, run(8, 300, 0.98, 700.0, None)])["steady_changes"] is None  # a shape with no steady span
