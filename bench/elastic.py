@@ -113,6 +113,7 @@ ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds",
 # just started included (a vLLM GPU pod batches prefills to use the device: give it more).
 PREFILL_CONCURRENCY = 1
 DECODE_PREFILL = 0  # router.decodePrefill: off by default until a run shows it pays (docs/performance.md)
+SEED = 7  # the load seed of every run before --seeds, kept as the default (earlier figures compare)
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
              "--output-tokens", str(OUTPUT_TOKENS)]
@@ -161,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router.decodePrefill of every configuration: prompts each decode pod may compute "
                              "itself for requests that find no prefill room (needs --prefill-concurrency; "
                              f"default {DECODE_PREFILL})")
-    parser.add_argument("--seeds", default="7",
+    parser.add_argument("--seeds", default=str(SEED),
                         help="load seeds, comma-separated: each configuration runs once per seed and its row "
                              "pools them (shares over all requests, mean pod-seconds, counts summed; each run and "
                              "the spread in the JSON), e.g. 7,8,9 to see a result's run-to-run spread")
@@ -493,10 +494,10 @@ def pooled(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def run_revision(name: str, startup_seconds: float, seed: int = 7) -> str:
+def run_revision(name: str, startup_seconds: float, seed: int = SEED) -> str:
     """The model revision of one measured run, part of its KV namespace: one per configuration, start-up
     delay and seed, as the pool keeps blocks across deployments and runs of one seed send the same prompts."""
-    return f"{name}-{startup_seconds:g}s" + ("" if seed == 7 else f"-s{seed}")
+    return f"{name}-{startup_seconds:g}s" + ("" if seed == SEED else f"-s{seed}")
 
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
@@ -539,7 +540,7 @@ class Sample:
     decode_ready: int
 
 
-def load_argv(args: argparse.Namespace, *, token_scale: tuple[float, float], seed: int = 7) -> list[str]:
+def load_argv(args: argparse.Namespace, *, token_scale: tuple[float, float], seed: int = SEED) -> list[str]:
     """``daybreak load`` arguments (less --url) for the bench's load: the trace, or sessions in the shape.
     ``seed``: the sessions' arrivals (a shape's Poisson times) and their prompts; a trace's times are its own."""
     a = args
@@ -654,7 +655,7 @@ class Bench:
             stop.wait(1.0)
 
     def deploy(self, name: str, *, autoscale: bool, replicas: tuple[int, int], policy: str,
-               startup_seconds: float, seed: int = 7) -> None:
+               startup_seconds: float, seed: int = SEED) -> None:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
             name, replicas=replicas, startup_seconds=startup_seconds, prefill_concurrency=a.prefill_concurrency,
@@ -664,7 +665,7 @@ class Bench:
                 "policy": policy})))
 
     def load(self, url: str, records: list[RequestRecord], argv: list[str] | None = None, *,
-             seed: int = 7) -> dict[str, Any]:
+             seed: int = SEED) -> dict[str, Any]:
         from daybreak.serving.load import add_arguments as load_arguments
         from daybreak.serving.load import run_load
 
@@ -693,7 +694,7 @@ class Bench:
         self.cluster.kubectl("delete", "-n", NS, "pddeployment", name, "--wait=false")
         self.wait(f"{name}: pods gone", lambda: not self.pods(name), timeout=180)
 
-    def run_config(self, config: str, *, startup_seconds: float, seed: int = 7) -> dict[str, Any]:
+    def run_config(self, config: str, *, startup_seconds: float, seed: int = SEED) -> dict[str, Any]:
         a = self.args
         name = f"el-{config}"
         autoscale = config in ("planner", "predictive")

@@ -163,10 +163,9 @@ class Controller:
                 item.setdefault("kind", rk.kind)
                 meta = item["metadata"]
                 fresh.add((rk.kind, meta["namespace"], meta["name"]))
+                self.state.cache_child(item)  # not over a newer version (a concurrent apply's answer)
             for stale in [k for k in children if k[0] == rk.kind and k not in fresh]:
                 del children[stale]
-            for item in items:
-                self.state.cache_child(item)  # not over a newer version (a concurrent apply's answer)
 
     async def resync(self) -> None:
         """Queue a full reconcile of every object in scope and sweep the agent binding's stale subjects."""

@@ -42,16 +42,16 @@ def slim(obj: Manifest) -> Manifest:
             "spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
 
-def _rv_key(obj: Manifest | None) -> tuple[int, str] | None:
-    """``obj``'s resourceVersion as a sortable key, or None when it is not a comparable one.
+def _rv_key(obj: Manifest | None) -> int | None:
+    """``obj``'s resourceVersion as a number, or None when it is not a comparable one.
 
     KEP-5504 (GA in Kubernetes 1.35) makes resourceVersions of one resource type comparable: a
-    decimal integer without leading zeros, ordered by length and then lexically.
+    decimal integer without leading zeros (ordered by length, then lexically: as numbers).
     """
     rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
     if not rv.isdigit() or rv.startswith("0"):
         return None
-    return len(rv), rv
+    return int(rv)
 
 
 def is_older(obj: Manifest, than: Manifest | None) -> bool:
