@@ -486,8 +486,10 @@ def status(pool: KVPool, *, daemonset: Manifest | None, pods: list[Manifest], re
                                     message=f"{desired - ready} of {desired} agents not ready" if ready > 0 else ""))
     old = existing or {}
     return {
+        # flushRequests is the deployments' (rollout.py, written with a resourceVersion precondition): a
+        # copy from the cached body written back here would drop a request made since that read.
         **{k: v for k, v in old.items() if k not in ("conditions", "nodes", "capacity", "used", "endpoints",
-                                                     "observedGeneration")},
+                                                     "observedGeneration", "flushRequests")},
         "observedGeneration": generation,
         "conditions": cond.merge(old.get("conditions"), conds, generation=generation),
         "nodes": {"desired": desired, "ready": ready},

@@ -33,6 +33,8 @@ from daybreak.operator.state import PDD, POOL, Key, TermState
 logger = logging.getLogger(__name__)
 
 Workloads = dict[Role, Manifest | None]
+# Writes of a KVPool's flushRequests that lost to a concurrent one before the step gives up until the next reconcile.
+CONFLICT_RETRIES = 5
 
 
 class Rollout:
@@ -126,18 +128,16 @@ class Rollout:
                           retired: dict[str, Any]) -> None:
         old_ns, at = str(retired.get("kvNamespace")), str(retired["retiredAt"])
         meta = body["metadata"]
-        pool_meta = pool_body["metadata"]
-        pool_status = pool_body.get("status") or {}
-        requests = list(pool_status.get("flushRequests") or [])
-        if not any(self._is_request(r, retired) for r in requests):
-            self.check_leader()
-            entry = {"kvNamespace": old_ns, "requestedAt": at, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
-            updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": [
-                *requests, entry]}}, namespace=pool_meta["namespace"], subresource="status")
-            self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)
+        entry = {"kvNamespace": old_ns, "requestedAt": at, "requestedBy": f"{meta['namespace']}/{meta['name']}"}
+
+        def ask(requests: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+            return None if any(self._is_request(r, retired) for r in requests) else [*requests, entry]
+
+        if await self._edit_requests(pool_body, ask):
             logger.info("flush requested namespace=%s name=%s kvNamespace=%s pool=%s", meta["namespace"],
-                        meta["name"], old_ns, pool_meta["name"])
+                        meta["name"], old_ns, pool_body["metadata"]["name"])
             return
+        pool_status = pool_body.get("status") or {}
         nodes = {e.get("node") for e in pool_status.get("endpoints") or []} - {None, ""}
         freed: dict[str, int] = {}
         for kvnode in await self.client.list(KVNODE) if nodes else []:
@@ -158,14 +158,43 @@ class Rollout:
 
     async def _withdraw(self, pool_body: Manifest, *, retired: dict[str, Any]) -> None:
         """The sum is stored: take the request off the KVPool (the agents then forget their reports)."""
-        pool_meta = pool_body["metadata"]
-        requests = list((pool_body.get("status") or {}).get("flushRequests") or [])
-        rest = [r for r in requests if not self._is_request(r, retired)]
-        if len(rest) == len(requests):
-            return
-        self.check_leader()
-        updated = await self.client.patch_merge(KVPOOL, pool_meta["name"], {"status": {"flushRequests": rest}},
-                                                namespace=pool_meta["namespace"], subresource="status")
-        self.state.cache_parent((POOL, pool_meta["namespace"], pool_meta["name"]), updated)
-        logger.info("flush request withdrawn kvNamespace=%s pool=%s bytesFreed=%s", retired.get("kvNamespace"),
-                    pool_meta["name"], retired.get("bytesFreed"))
+        def withdraw(requests: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+            rest = [r for r in requests if not self._is_request(r, retired)]
+            return None if len(rest) == len(requests) else rest
+
+        if await self._edit_requests(pool_body, withdraw):
+            logger.info("flush request withdrawn kvNamespace=%s pool=%s bytesFreed=%s", retired.get("kvNamespace"),
+                        pool_body["metadata"]["name"], retired.get("bytesFreed"))
+
+    async def _edit_requests(self, pool_body: Manifest,
+                             edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]) -> bool:
+        """Write ``edit(flushRequests)`` to the KVPool unless it returns None; whether it wrote.
+
+        The list is shared by every deployment of the pool and rewritten whole (a merge patch replaces a
+        list), so each write carries the resourceVersion it was computed from: a deployment that read the
+        pool before another's request (or withdrawal) gets 409, reads the pool again and redoes its edit,
+        instead of writing the other's change away.
+        """
+        meta = pool_body["metadata"]
+        key = (POOL, meta["namespace"], meta["name"])
+        body = pool_body
+        for attempt in range(CONFLICT_RETRIES):
+            edited = edit(list((body.get("status") or {}).get("flushRequests") or []))
+            if edited is None:
+                return False
+            self.check_leader()
+            patch = {"metadata": {"resourceVersion": (body.get("metadata") or {}).get("resourceVersion")},
+                     "status": {"flushRequests": edited}}
+            try:
+                updated = await self.client.patch_merge(KVPOOL, meta["name"], patch, namespace=meta["namespace"],
+                                                        subresource="status")
+            except KubeError as exc:
+                if not exc.conflict or attempt == CONFLICT_RETRIES - 1:
+                    raise
+                logger.debug("flushRequests changed since read pool=%s; reading it again", meta["name"])
+                body = await self.client.get(KVPOOL, meta["name"], namespace=meta["namespace"])
+                self.state.cache_parent(key, body)
+                continue
+            self.state.cache_parent(key, updated)
+            return True
+        return False

@@ -35,8 +35,12 @@ class StatusWriter:
         self.check_leader = check_leader
 
     async def write(self, key: Key, *, body: Manifest, status: dict[str, Any]) -> Manifest:
-        """Merge-patch ``status`` onto ``body`` (the stored object) unless it is what is stored already."""
-        if status == (body.get("status") or {}):
+        """Merge-patch ``status`` onto ``body`` (the stored object) unless each field it names is stored so already.
+
+        Fields ``status`` leaves out keep their stored value (a KVPool's ``flushRequests`` belong to the
+        deployments' rollouts, not to the pool's reconcile); a field set to None is removed."""
+        stored = body.get("status") or {}
+        if all(stored.get(field) == value for field, value in status.items()):
             return body
         self.check_leader()
         meta = body["metadata"]
@@ -56,20 +60,18 @@ class StatusWriter:
             message = f"{where}: {errors[0]['msg']}"
         else:
             message = str(exc)
-        status = dict(body.get("status") or {})
-        status["conditions"] = merge(status.get("conditions"), [
+        status = {"conditions": merge((body.get("status") or {}).get("conditions"), [
             Condition(type="Ready", status=FALSE, reason="InvalidSpec", message=message),
-        ], generation=(body.get("metadata") or {}).get("generation"))
+        ], generation=(body.get("metadata") or {}).get("generation"))}
         logger.warning("invalid object kind=%s namespace=%s name=%s error=%r", key[0], key[1], key[2], message)
         await self.write(key, body=body, status=status)
 
     async def refuse(self, key: Key, *, body: Manifest, exc: PolicyError) -> None:
         """The object asks for more than the pool policy allows: say which field, apply nothing."""
         message = str(exc)[:1000]
-        status = dict(body.get("status") or {})
-        status["conditions"] = merge(status.get("conditions"), [
+        status = {"conditions": merge((body.get("status") or {}).get("conditions"), [
             Condition(type="Ready", status=FALSE, reason="PolicyViolation", message=message),
-        ], generation=(body.get("metadata") or {}).get("generation"))
+        ], generation=(body.get("metadata") or {}).get("generation"))}
         logger.warning("refused by pool policy kind=%s namespace=%s name=%s violations=%r", key[0], key[1], key[2],
                        message)
         was: dict[str, Any] = next(
@@ -84,11 +86,10 @@ class StatusWriter:
         try:
             self.check_leader()
             body = await self.client.get(resource_of(kind), name, namespace=ns)
-            status = dict(body.get("status") or {})
-            status["conditions"] = merge(status.get("conditions"), [
+            status = {"conditions": merge((body.get("status") or {}).get("conditions"), [
                 Condition(type="Ready", status=FALSE, reason="ReconcileFailed", message=message[:1000]),
                 Condition(type="Degraded", status=TRUE, reason="ReconcileFailed", message=message[:1000]),
-            ], generation=(body.get("metadata") or {}).get("generation"))
+            ], generation=(body.get("metadata") or {}).get("generation"))}
             await self.write(key, body=body, status=status)
             self.events.record(body, reason="ReconcileFailed", message=message, type=WARNING)
         except (KubeError, NotLeader) as exc:

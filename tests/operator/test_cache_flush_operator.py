@@ -101,3 +101,54 @@ def test_the_operator_requests_a_flush_and_sums_the_agents_reports(kube: LocalCl
     finally:
         kube.kubectl("delete", "kvnode", *nodes, check=False)
         kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_two_deployments_of_one_pool_never_write_away_each_others_flush_requests(kube: LocalCluster) -> None:
+    """Each deployment computes the pool's flushRequests from the pool it read; a write from an older read is
+    refused (409) and redone on the fresh pool, and the pool's own status write never carries the list."""
+    kube.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+    ns = f"cflush2-{uuid.uuid4().hex[:6]}"
+    kube.kubectl("create", "namespace", ns)
+    pool = yaml.safe_load((ROOT / "examples" / "kvpool-minimal.yaml").read_text())
+    pool["metadata"] = {"name": "pool", "namespace": ns}
+    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    kube.kubectl("-n", ns, "patch", "kvpool", "pool", "--subresource=status", "--type=merge", "-p",
+                 json.dumps({"status": {"endpoints": [{"node": "n0", "address": "10.0.0.1", "port": 7400}]}}))
+    a = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "a", "namespace": ns}}
+    b = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "b", "namespace": ns}}
+
+    def retired(kv_ns: str, **more: Any) -> dict[str, Any]:
+        return {"retiredKVNamespace": {"kvNamespace": kv_ns, "policy": "flush", "retiredAt": AT, **more}}
+
+    async def scenario() -> None:
+        configuration, _ = await load_configuration(str(kube.kubeconfig))
+        client = KubeClient(configuration)
+        c = Controller(client, OperatorSettings(kubeconfig=str(kube.kubeconfig)), fence=lambda: True)
+        c.events.record = lambda obj, *, reason, message, type="Normal": None  # type: ignore[method-assign]
+        try:
+            stale = await client.get(KVPOOL, "pool", namespace=ns)  # both deployments read this version
+            await c.rollout.flush_retired(a, pool_body=stale, status=retired("a-r1"))
+            with_a = await client.get(KVPOOL, "pool", namespace=ns)
+            await c.rollout.flush_retired(b, pool_body=stale, status=retired("b-r1"))
+            listed = (await client.get(KVPOOL, "pool", namespace=ns))["status"]["flushRequests"]
+            assert [(r["kvNamespace"], r["requestedBy"]) for r in listed] == [("a-r1", f"{ns}/a"), ("b-r1", f"{ns}/b")]
+
+            # The pool's reconcile writes its status from the same old read: the requests stay.
+            status = {**(stale.get("status") or {}), "endpoints": []}
+            status.pop("flushRequests", None)
+            await c.status.write(("KVPool", ns, "pool"), body=stale, status=status)
+            after = await client.get(KVPOOL, "pool", namespace=ns)
+            assert after["status"]["endpoints"] == [] and len(after["status"]["flushRequests"]) == 2
+
+            # a withdraws from the read that preceded b's request: b's stays listed.
+            await c.rollout.flush_retired(a, pool_body=with_a, status=retired("a-r1", bytesFreed=0))
+            listed = (await client.get(KVPOOL, "pool", namespace=ns))["status"]["flushRequests"]
+            assert [r["kvNamespace"] for r in listed] == ["b-r1"]
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
