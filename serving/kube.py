@@ -12,7 +12,7 @@ coroutine with a timeout; nothing here blocks the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 # Pool discovery is the client library's (any engine needs it); re-exported for the router and the sim engine.
@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_NAMESPACE_LABEL", "REQUEST_TIMEOUT", "SERVICE_ACCOUNT_DIR", "KubeLookupError", "endpoints_from_pods",
     "endpoints_from_pool", "endpoints_from_slices", "get_json", "load_api", "namespaces_of", "pod_kv_namespaces",
-    "pod_namespace_index", "pool_endpoints", "ready_endpoints",
+    "pod_namespace_index", "pool_endpoints", "ready_endpoints", "watch_endpoint_slices",
 ]
+
+# How long one EndpointSlice watch stays open before the server ends it (and the caller opens the next).
+WATCH_SECONDS = 300
 
 
 def endpoints_from_slices(body: Mapping[str, Any], *, port_name: str = "http") -> list[str]:
@@ -160,3 +163,26 @@ async def ready_endpoints(api: ApiClient, *, namespace: str, service: str, port_
     pods = await get_json(api, f"/api/v1/namespaces/{namespace}/pods",
                           query={"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))})
     return endpoints_from_pods(svc, pods, port_name=port_name)
+
+
+async def watch_endpoint_slices(api: ApiClient, *, namespace: str, service: str, on_event: Callable[[], None],
+                                timeout_seconds: int = WATCH_SECONDS) -> None:
+    """One watch of ``service``'s EndpointSlices: ``on_event()`` at every event (the first ones: the slices
+    that exist), a clean return when the server closes it, an exception when it fails.
+
+    It says only *that* the ready endpoints may have changed; ``ready_endpoints`` says which they are, so a
+    missed or reordered event costs a re-read, never a wrong list.
+    """
+    from kubernetes_asyncio import client as k8s_client
+    from kubernetes_asyncio import watch as k8s_watch
+
+    slices = k8s_client.DiscoveryV1Api(api)
+    async with k8s_watch.Watch().stream(
+        slices.list_namespaced_endpoint_slice, namespace,
+        label_selector=f"kubernetes.io/service-name={service}", timeout_seconds=timeout_seconds,
+    ) as stream:
+        async for event in stream:
+            if event.get("type") == "ERROR":
+                raise KubeLookupError(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?watch=1", status=0,
+                                      message=str(event.get("raw_object") or event.get("object")))
+            on_event()

@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "these are 'both' engines and the router is colocated")
     d.add_argument("--kubeconfig", default=None, help="kubeconfig for discovery (default $KUBECONFIG, else the "
                    "in-cluster ServiceAccount)")
-    d.add_argument("--refresh-seconds", type=float, default=1.0, help="EndpointSlice re-read period")
+    d.add_argument("--refresh-seconds", type=float, default=1.0, help="EndpointSlice re-read period until their watch runs (then a change is read at once, and "
+                        "all every 10 s)")
     d.add_argument("--scrape-seconds", type=float, default=0.5, help="period of the /metrics load scrape")
     p = parser.add_argument_group("pool lookups")
     # Defaults None: unset flags fall back to the engine-pod contract (api.enginepod; with_pod_env).
@@ -213,7 +214,7 @@ async def _main(args: argparse.Namespace) -> int:
     args = with_pod_env(args)
     from daybreak.serving import kube
     from daybreak.serving.router.auth import AuthConfigError, Credentials
-    from daybreak.serving.router.discovery import RolePods, service_lister
+    from daybreak.serving.router.discovery import RolePods, service_lister, service_watch
     from daybreak.serving.router.pool_lookup import PoolLookup
     from daybreak.serving.router.server import Router, serve
 
@@ -262,6 +263,7 @@ async def _main(args: argparse.Namespace) -> int:
             if not args.namespace:
                 raise SystemExit(f"--{name}-service needs --namespace (or $POD_NAMESPACE)")
             return RolePods(name, lister=service_lister(api, namespace=args.namespace, service=service),
+                            watch=service_watch(api, namespace=args.namespace, service=service),
                             refresh_seconds=args.refresh_seconds, scrape_seconds=args.scrape_seconds)
         return None
 

@@ -1,9 +1,14 @@
 """Where the engine pods of each role are and how loaded they are: discovery and the load scrape.
 
 Two sources of pods: a static list (``--prefill-endpoints``; tests and the
-benchmark) or the role Service's EndpointSlices, ready endpoints only,
-re-read about every second. A failed API read keeps the last known list (the
-pods did not vanish because the API server is slow). Each pod's load is
+benchmark) or the role Service's EndpointSlices, ready endpoints only. Those
+are re-read at once when a watch of the slices says they changed (a pod the
+planner started serves as soon as its slice lists it), and every
+``RESYNC_SECONDS`` while the watch runs; until it has delivered an event, or
+after it failed, every ``refresh_seconds`` instead. The watch only triggers
+reads, so a missed event costs a late list, never a wrong one. A failed API
+read keeps the last known list (the pods did not vanish because the API
+server is slow). Each pod's load is
 scraped from its ``/metrics`` about every half second
 (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, the same
 names on vLLM and the sim engine); that is cheap and needs no engine-specific
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from daybreak.api import metrics as names
+from daybreak.client.kubewatch import watch_with_backoff
 from daybreak.serving import kube
 from daybreak.serving.router.choice import Candidate, load_of
 
@@ -74,16 +80,27 @@ class PodState:
 
 # Ready ``host:port`` -> the pod's kvNamespace (None where unknown).
 EndpointLister = Callable[[], Awaitable[dict[str, str | None]]]
+# One watch of the endpoints' source: calls its argument at each event; returns when the server ends the
+# watch, raises when it fails.
+ChangeWatch = Callable[[Callable[[], None]], Awaitable[None]]
+# The re-read period while the watch runs: a backstop for what the slices do not show (the loopback
+# fallback's pods), not the way changes are seen.
+RESYNC_SECONDS = 10.0
 
 
 class RolePods:
     """The ready pods of one role, kept fresh by ``run()``; ``pods()`` is what the chooser sees."""
 
-    def __init__(self, role: str, *, lister: EndpointLister | None = None, static: list[str] | None = None,
-                 refresh_seconds: float = 1.0, scrape_seconds: float = 0.5) -> None:
+    def __init__(self, role: str, *, lister: EndpointLister | None = None, watch: ChangeWatch | None = None,
+                 static: list[str] | None = None, refresh_seconds: float = 1.0,
+                 resync_seconds: float = RESYNC_SECONDS, scrape_seconds: float = 0.5) -> None:
         self.role = role
         self._lister = lister
+        self._watch = watch
+        self._watching = False  # the watch has delivered an event and not failed since
+        self._stale = asyncio.Event()  # set by the watch: list again now
         self._refresh = refresh_seconds
+        self._resync = max(resync_seconds, refresh_seconds)
         self._scrape = scrape_seconds
         self._pods: dict[str, PodState] = {}
         self.listed = asyncio.Event()
@@ -138,6 +155,8 @@ class RolePods:
         tasks = [asyncio.create_task(self._scrape_loop(session), name=f"scrape-{self.role}")]
         if self._lister is not None:
             tasks.append(asyncio.create_task(self._list_loop(), name=f"list-{self.role}"))
+            if self._watch is not None:
+                tasks.append(asyncio.create_task(self._watch_loop(), name=f"watch-{self.role}"))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -151,6 +170,7 @@ class RolePods:
         assert self._lister is not None
         failing = False
         while True:
+            self._stale.clear()  # before the read: an event during it asks for the next one
             try:
                 self._set(await self._lister())
                 if failing:
@@ -160,7 +180,29 @@ class RolePods:
                 if not failing:
                     log.warning("event=discovery_failed role=%s error=%r action=keep_last_list", self.role, str(exc))
                 failing = True
-            await asyncio.sleep(self._refresh)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stale.wait(),
+                                       self._resync if self._watching and not failing else self._refresh)
+
+    async def _watch_loop(self) -> None:
+        assert self._watch is not None
+        watch = self._watch
+
+        async def once(progress: Callable[[], None]) -> None:
+            def changed() -> None:
+                progress()
+                self._watching = True
+                self._stale.set()
+
+            await watch(changed)
+
+        def failed(exc: BaseException, retry_in: float) -> None:
+            if self._watching:
+                log.warning("event=endpoints_watch_failed role=%s error=%r action=poll_every_%gs retry_in=%.0fs",
+                            self.role, str(exc) or type(exc).__name__, self._refresh, retry_in)
+            self._watching = False
+
+        await watch_with_backoff(once, on_failure=failed)
 
     async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -186,6 +228,16 @@ class RolePods:
                             str(exc) or type(exc).__name__)
             pod.healthy = False
         pod.scraped_at = time.monotonic()
+
+
+def service_watch(api: object, *, namespace: str, service: str) -> ChangeWatch:
+    """A ``ChangeWatch`` of ``service``'s EndpointSlices (``api``: a kubernetes_asyncio ApiClient)."""
+
+    async def watch(on_event: Callable[[], None]) -> None:
+        await kube.watch_endpoint_slices(api, namespace=namespace, service=service,  # type: ignore[arg-type]
+                                         on_event=on_event)
+
+    return watch
 
 
 def service_lister(api: object, *, namespace: str, service: str) -> EndpointLister:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
+
+import aiohttp
 
 from daybreak.client.discovery import endpoints_from_pool
 from daybreak.serving.kube import (
@@ -245,3 +248,41 @@ def test_decode_falls_back_to_another_namespace_once_its_own_pods_are_tried_and_
     assert asyncio.run(choose(prefill, set(), widen=False)) == "10.0.1.1:8000"
     prefill.pods()[0].kv_namespace = "ns-new"
     assert asyncio.run(choose(prefill, set(), widen=False)) is None
+
+
+def test_the_role_list_is_polled_until_its_watch_delivers_and_again_once_the_watch_fails() -> None:
+    """The watch only decides how often the list is read: every refresh period without it, at its events
+    (and the long resync) with it."""
+    reads: list[float] = []
+
+    async def lister() -> dict[str, str | None]:
+        reads.append(asyncio.get_running_loop().time())
+        return {"10.0.0.1:8000": None}
+
+    async def count_reads(watch: Any, seconds: float) -> int:
+        pods = RolePods("decode", lister=lister, watch=watch, refresh_seconds=0.05, resync_seconds=60.0,
+                        scrape_seconds=60.0)
+        reads.clear()
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(pods.run(session))
+            await asyncio.sleep(seconds)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return len(reads)
+
+    events = asyncio.Event()
+
+    async def healthy(on_event: Any) -> None:
+        on_event()  # the slices that exist
+        await events.wait()  # then quiet
+
+    async def broken(on_event: Any) -> None:
+        raise OSError("connection refused")
+
+    async def scenario() -> tuple[int, int, int]:
+        return (await count_reads(None, 0.5), await count_reads(healthy, 0.5), await count_reads(broken, 0.5))
+
+    polled, watched, failed = asyncio.run(scenario())
+    assert polled >= 5  # every 0.05 s
+    assert watched <= 3  # the first read, and the one the watch's first event asks for
+    assert failed >= 5  # a watch that fails leaves the polling on

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from support import crds_and_namespace
@@ -162,3 +163,44 @@ def test_router_discovers_engines_through_the_api_and_the_pool_from_its_status(k
                            timeout=30).headers["x-daybreak-decode"] for i in range(6)}
         assert seen == {decodes[0].address}
         assert metric_sum(router.metrics(), 'daybreak_router_ready_pods{role="decode"}') == 1
+
+
+def test_a_slice_change_reaches_the_router_through_the_watch_not_the_re_read_period(kube: LocalCluster,
+                                                                                   api: httpx.Client) -> None:
+    """Re-reads 60 s apart: a pod the slice lists (and one it marks not ready) shows within seconds, because the
+    watch of the Service's slices asks for the read."""
+    from daybreak.serving.router.discovery import RolePods, service_lister, service_watch
+
+    def fqdn_slice(ready: bool) -> dict[str, Any]:
+        body = slice_body("watched", "watched-decode", 8000, [("127.0.0.7", ready)])
+        return {**body, "addressType": "FQDN"}  # the local cluster's loopback IPs, as its kubelet mirrors them
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = await discovery.load_api(str(kube.kubeconfig))
+        pods = RolePods("decode", lister=service_lister(client, namespace=NS, service="watched-decode"),
+                        watch=service_watch(client, namespace=NS, service="watched-decode"),
+                        refresh_seconds=60.0, resync_seconds=60.0, scrape_seconds=60.0)
+
+        async def until(addresses: list[str]) -> None:
+            while [p.address for p in pods.pods()] != addresses:
+                await pods.changed(seconds=0.2)
+
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(pods.run(session))
+            try:
+                await asyncio.wait_for(pods.listed.wait(), 10)
+                assert pods.pods() == []
+                await asyncio.sleep(1.0)  # the watch is open
+                await asyncio.to_thread(put_slice, api, fqdn_slice(True))
+                await asyncio.wait_for(until(["127.0.0.7:8000"]), 20)  # a third of the re-read period
+                added = [p.address for p in pods.pods()]
+                await asyncio.to_thread(put_slice, api, fqdn_slice(False))
+                await asyncio.wait_for(until([]), 20)
+                return added, [p.address for p in pods.pods()]
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await client.close()
+
+    added, removed = asyncio.run(scenario())
+    assert added == ["127.0.0.7:8000"] and removed == []
