@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import yaml
 
 if TYPE_CHECKING:
     from daybreak.devenv.cluster import LocalCluster
@@ -22,6 +26,20 @@ def crds_and_namespace(kube: LocalCluster, namespace: str) -> None:
     kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
     if kube.kubectl("get", "namespace", namespace, check=False).returncode != 0:
         kube.kubectl("create", "namespace", namespace)
+
+
+def pool_in_new_namespace(kube: LocalCluster, prefix: str) -> str:
+    """A new namespace ``<prefix>-<6 hex>`` holding examples/kvpool-minimal.yaml as KVPool ``pool`` (the CRDs
+    applied server-side and Established first); returns the namespace."""
+    repo = Path(__file__).resolve().parents[1]
+    kube.kubectl("apply", "--server-side", "-f", str(repo / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    kube.kubectl("create", "namespace", namespace)
+    pool = yaml.safe_load((repo / "examples" / "kvpool-minimal.yaml").read_text())
+    pool["metadata"] = {"name": "pool", "namespace": namespace}
+    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    return namespace
 
 
 def layout(sizes: Sequence[int], *, gap: int = 4096) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import yaml
+from support import pool_in_new_namespace
 
 from daybreak.agent.flush import FlushLedger, flush_requests
 from daybreak.agent.main import _follow_members, start_store, stop_store
@@ -19,7 +19,6 @@ from daybreak.devenv.cluster import LocalCluster
 from daybreak.pool.protocol import FlushReply
 from daybreak.testing.store_agent import cleanup_pool, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
@@ -68,13 +67,7 @@ def _patch_status(kube: LocalCluster, ns: str, status: dict[str, object]) -> Non
 
 
 def test_agent_flushes_its_store_when_its_kvpool_asks(kube: LocalCluster, tmp_path: Path) -> None:
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    ns = f"flush-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
-    pool = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
-    pool["metadata"] = {"name": "pool", "namespace": ns}
-    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    ns = pool_in_new_namespace(kube, "flush")
     store_pool = f"f{uuid.uuid4().hex[:8]}"
     address = f"127.0.0.1:{free_port()}"
     settings = AgentSettings(standalone=True, listen=address, dram_bytes=64 * MiB, token_file=str(tmp_path / "s"),

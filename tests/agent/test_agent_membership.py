@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from pathlib import Path
 
-import yaml
+from support import pool_in_new_namespace
 
 from daybreak.agent.membership import follow_pool_endpoints, pool_endpoints
 from daybreak.agent.publish import load_client
 from daybreak.devenv.cluster import LocalCluster
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_pool_endpoints_are_sorted_unique_and_skip_pods_without_address() -> None:
@@ -34,13 +30,7 @@ def _set_endpoints(kube: LocalCluster, ns: str, name: str, addresses: list[str])
 
 
 def test_follower_sees_every_change_of_the_published_endpoints(kube: LocalCluster) -> None:
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    ns = f"members-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
-    pool = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
-    pool["metadata"] = {"name": "pool", "namespace": ns}
-    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    ns = pool_in_new_namespace(kube, "members")
     seen: list[list[str]] = []
 
     async def scenario() -> None:

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
+from support import pool_in_new_namespace
 
 from daybreak.devenv.cluster import LocalCluster
 from daybreak.operator.controller import Controller
@@ -40,12 +40,8 @@ def test_the_operator_requests_a_flush_and_sums_the_agents_reports(kube: LocalCl
         if kube.kubectl("get", "kvnodes", check=False).returncode == 0:
             break
         time.sleep(0.2)
-    ns = f"cflush-{uuid.uuid4().hex[:6]}"
+    ns = pool_in_new_namespace(kube, "cflush")
     nodes = [f"{ns}-n0", f"{ns}-n1"]
-    kube.kubectl("create", "namespace", ns)
-    pool = yaml.safe_load((ROOT / "examples" / "kvpool-minimal.yaml").read_text())
-    pool["metadata"] = {"name": "pool", "namespace": ns}
-    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
     endpoints = [{"node": n, "address": f"10.0.0.{i + 1}", "port": 7400} for i, n in enumerate(nodes)]
     kube.kubectl("-n", ns, "patch", "kvpool", "pool", "--subresource=status", "--type=merge",
                  "-p", json.dumps({"status": {"endpoints": endpoints}}))
@@ -106,13 +102,7 @@ def test_the_operator_requests_a_flush_and_sums_the_agents_reports(kube: LocalCl
 def test_two_deployments_of_one_pool_never_write_away_each_others_flush_requests(kube: LocalCluster) -> None:
     """Each deployment computes the pool's flushRequests from the pool it read; a write from an older read is
     refused (409) and redone on the fresh pool, and the pool's own status write never carries the list."""
-    kube.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    ns = f"cflush2-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
-    pool = yaml.safe_load((ROOT / "examples" / "kvpool-minimal.yaml").read_text())
-    pool["metadata"] = {"name": "pool", "namespace": ns}
-    kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    ns = pool_in_new_namespace(kube, "cflush2")
     kube.kubectl("-n", ns, "patch", "kvpool", "pool", "--subresource=status", "--type=merge", "-p",
                  json.dumps({"status": {"endpoints": [{"node": "n0", "address": "10.0.0.1", "port": 7400}]}}))
     a = {"apiVersion": "daybreak.dev/v1alpha1", "kind": "PDDeployment", "metadata": {"name": "a", "namespace": ns}}
