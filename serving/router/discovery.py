@@ -196,8 +196,12 @@ class RolePods:
 
             await watch(changed)
 
+        told = False  # a watch that never worked (no RBAC for it, say) is logged once, not at every retry
+
         def failed(exc: BaseException, retry_in: float) -> None:
-            if self._watching:
+            nonlocal told
+            if self._watching or not told:
+                told = True
                 log.warning("event=endpoints_watch_failed role=%s error=%r action=poll_every_%gs retry_in=%.0fs",
                             self.role, str(exc) or type(exc).__name__, self._refresh, retry_in)
             self._watching = False
