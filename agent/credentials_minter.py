@@ -22,14 +22,13 @@ from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from daybreak.api.labels import GROUP, PDDEPLOYMENT_PLURAL, VERSION
-from daybreak.client.kubewatch import watch_with_backoff
+from daybreak.client.kubewatch import WATCH_SECONDS, watch_with_backoff
 from daybreak.pool.credentials import NAMESPACE_PATTERN
 from daybreak.pool.engine_secret import credential_secret_name, engine_credential_secret
 
 log = logging.getLogger(__name__)
 
 PLURAL = PDDEPLOYMENT_PLURAL
-WATCH_SECONDS = 300  # a fresh list this often re-mints anything missed (e.g. a Secret deleted by hand)
 
 
 def namespaces_in_use(pdd: Mapping[str, Any]) -> list[str]:
@@ -96,7 +95,8 @@ class CredentialMinter:
             log.warning("event=credential_mint_failed pool=%s/%s error=%r retry_in=%.0fs", self.namespace,
                         self.pool, str(exc), retry_in)
 
-        # A clean end is the server closing the watch at WATCH_SECONDS: list again, watch again.
+        # A clean end is the server closing the watch at WATCH_SECONDS: list again, watch again, so a
+        # fresh list this often re-mints anything missed (e.g. a Secret deleted by hand).
         await watch_with_backoff(self._watch_once, on_failure=failed, stop=stop)
 
     async def _watch_once(self, progress: Callable[[], None]) -> None:

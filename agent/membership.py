@@ -19,7 +19,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import watch as k8s_watch
 
 from daybreak.api.labels import GROUP, KVPOOL_PLURAL, VERSION
-from daybreak.client.kubewatch import watch_with_backoff
+from daybreak.client.kubewatch import WATCH_SECONDS, watch_with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def pool_endpoints(pool: Mapping[str, Any]) -> list[str]:
 
 async def follow_pool_endpoints(api: k8s_client.ApiClient, *, namespace: str, pool: str,
                                 on_change: Callable[[list[str]], None], stop: asyncio.Event,
-                                timeout_seconds: int = 300, on_deleted: Callable[[], None] | None = None,
+                                timeout_seconds: int = WATCH_SECONDS, on_deleted: Callable[[], None] | None = None,
                                 on_pool: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Call ``on_change`` with the pool's endpoint list whenever it changes, until ``stop`` is set.
 

@@ -45,7 +45,7 @@ from daybreak.api.node import (
     NodeTransport,
 )
 from daybreak.client.kubeconfig import load_kube_config
-from daybreak.client.kubewatch import watch_with_backoff
+from daybreak.client.kubewatch import WATCH_SECONDS, watch_with_backoff
 from daybreak.version import __version__
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class NodePublisher:
                  ",".join(f"{k}={v}" for k, v in sorted(labels.items())), self.node_name)
 
     async def watch_labels(self, desired: Mapping[str, str], drifted: asyncio.Event, *,
-                           timeout_seconds: int = 300) -> None:
+                           timeout_seconds: int = WATCH_SECONDS) -> None:
         """Set ``drifted`` whenever this node's daybreak labels differ from ``desired`` (which the caller
         updates in place). Watches ONLY this node (field selector), restarting after each server timeout."""
         selector = f"metadata.name={self.node_name}"

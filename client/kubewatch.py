@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
+# How long one watch stays open before the server ends it (``timeout_seconds``) and the next one opens.
+WATCH_SECONDS = 300
 
 
 async def watch_with_backoff(watch_once: Callable[[Callable[[], None]], Awaitable[None]], *,

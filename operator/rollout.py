@@ -177,8 +177,9 @@ class Rollout:
         """
         meta = pool_body["metadata"]
         key = (POOL, meta["namespace"], meta["name"])
-        body = pool_body
-        for attempt in range(CONFLICT_RETRIES):
+        body, attempt = pool_body, 0
+        while True:
+            attempt += 1
             edited = edit(list((body.get("status") or {}).get("flushRequests") or []))
             if edited is None:
                 return False
@@ -189,7 +190,7 @@ class Rollout:
                 updated = await self.client.patch_merge(KVPOOL, meta["name"], patch, namespace=meta["namespace"],
                                                         subresource="status")
             except KubeError as exc:
-                if not exc.conflict or attempt == CONFLICT_RETRIES - 1:
+                if not exc.conflict or attempt == CONFLICT_RETRIES:
                     raise
                 logger.debug("flushRequests changed since read pool=%s; reading it again", meta["name"])
                 body = await self.client.get(KVPOOL, meta["name"], namespace=meta["namespace"])
@@ -197,4 +198,3 @@ class Rollout:
                 continue
             self.state.cache_parent(key, updated)
             return True
-        return False

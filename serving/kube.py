@@ -27,6 +27,7 @@ from daybreak.client.discovery import (
     pool_endpoints,
 )
 from daybreak.client.discovery import join_host_port as _join
+from daybreak.client.kubewatch import WATCH_SECONDS
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient
@@ -36,9 +37,6 @@ __all__ = [
     "endpoints_from_pool", "endpoints_from_slices", "get_json", "load_api", "namespaces_of", "pod_kv_namespaces",
     "pod_namespace_index", "pool_endpoints", "ready_endpoints", "watch_endpoint_slices",
 ]
-
-# How long one EndpointSlice watch stays open before the server ends it (and the caller opens the next).
-WATCH_SECONDS = 300
 
 
 def endpoints_from_slices(body: Mapping[str, Any], *, port_name: str = "http") -> list[str]:
@@ -183,6 +181,6 @@ async def watch_endpoint_slices(api: ApiClient, *, namespace: str, service: str,
     ) as stream:
         async for event in stream:
             if event.get("type") == "ERROR":
-                raise KubeLookupError(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?watch=1", status=0,
-                                      message=str(event.get("raw_object") or event.get("object")))
+                path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?watch=1"
+                raise KubeLookupError(path, status=0, message=str(event.get("raw_object") or event.get("object")))
             on_event()

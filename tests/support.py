@@ -28,15 +28,22 @@ def crds_and_namespace(kube: LocalCluster, namespace: str) -> None:
         kube.kubectl("create", "namespace", namespace)
 
 
-def pool_in_new_namespace(kube: LocalCluster, prefix: str) -> str:
-    """A new namespace ``<prefix>-<6 hex>`` holding examples/kvpool-minimal.yaml as KVPool ``pool`` (the CRDs
-    applied server-side and Established first); returns the namespace."""
-    repo = Path(__file__).resolve().parents[1]
-    kube.kubectl("apply", "--server-side", "-f", str(repo / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def crds_in_new_namespace(kube: LocalCluster, prefix: str) -> str:
+    """Every CRD applied server-side and Established, and a new namespace ``<prefix>-<6 hex>``; returns it."""
+    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     kube.kubectl("create", "namespace", namespace)
-    pool = yaml.safe_load((repo / "examples" / "kvpool-minimal.yaml").read_text())
+    return namespace
+
+
+def pool_in_new_namespace(kube: LocalCluster, prefix: str) -> str:
+    """``crds_in_new_namespace`` holding examples/kvpool-minimal.yaml as KVPool ``pool``; returns the namespace."""
+    namespace = crds_in_new_namespace(kube, prefix)
+    pool = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
     pool["metadata"] = {"name": "pool", "namespace": namespace}
     kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
     return namespace

@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "these are 'both' engines and the router is colocated")
     d.add_argument("--kubeconfig", default=None, help="kubeconfig for discovery (default $KUBECONFIG, else the "
                    "in-cluster ServiceAccount)")
-    d.add_argument("--refresh-seconds", type=float, default=1.0, help="EndpointSlice re-read period until their watch runs (then a change is read at once, and "
-                        "all every 10 s)")
+    d.add_argument("--refresh-seconds", type=float, default=1.0,
+                   help="EndpointSlice re-read period while their watch is not running (with it, a change is "
+                        "read at once and everything every 10 s)")
     d.add_argument("--scrape-seconds", type=float, default=0.5, help="period of the /metrics load scrape")
     p = parser.add_argument_group("pool lookups")
     # Defaults None: unset flags fall back to the engine-pod contract (api.enginepod; with_pod_env).

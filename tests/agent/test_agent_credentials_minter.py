@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support import crds_in_new_namespace
 
 from daybreak.agent.credentials_minter import mint_pool_credentials
 from daybreak.agent.publish import load_client
@@ -64,10 +65,7 @@ async def _wait_secret(kube: LocalCluster, ns: str, name: str) -> dict[str, Any]
 
 def test_agent_mints_a_scoped_credential_a_real_agent_accepts_for_that_namespace_only(
         kube: LocalCluster, tmp_path: Path) -> None:
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/pddeployments.daybreak.dev")
-    ns = f"mint-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
+    ns = crds_in_new_namespace(kube, "mint")
     pool_doc = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
     pool_doc["metadata"] = {"name": "kv-minimal", "namespace": ns}
     pool = KVPool.model_validate(pool_doc)
