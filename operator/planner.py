@@ -363,31 +363,19 @@ def backlog_step(backlog: float, *, current: int, tolerance: float, sustained: f
     return max(current + 1, min(needed, most, math.ceil(sustained - 1e-9)))
 
 
-def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float | None, wait: float,
-                     prefilling: float = 0.0, handoff: float = 0.0) -> float:
+def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float | None, wait: float) -> float:
     """Pods for ``held`` decode sequences when each may wait up to ``wait`` seconds for a batch slot.
 
     ``n`` pods run ``n x batch`` sequences and each slot frees once its sequence ends, every
-    ``seconds_per_sequence`` (output tokens x ITL) on average, so within ``t`` seconds they start another
-    ``n x batch x t / seconds_per_sequence``. The sequence ranked ``r`` in line for a slot, needing it ``t``
-    from now, starts in time when ``n >= r / (batch x (1 + t / seconds_per_sequence))``; the pods are the
-    largest such ``n`` over the line. Those on decode now need it within ``wait``; the ``prefilling`` of the
-    ``held`` are still in prefill, which hands them on one every ``handoff`` seconds (its service time over
-    its pods; the first half of that from now), so the ``k``-th needs its slot ``(k - 1/2) x handoff`` later.
-    With no output length learned every sequence needs a slot now: ``held / batch``. (A slot for every
-    sequence asked 4 decode pods for a burst that 2-3 serve within the TTFT target, and one queued sequence
-    of a Poisson burst added a pod for it; counting the requests in prefill as needing a slot now added a
-    decode pod in a steady phase for two requests one prefill pod would hand on 0.5 and 1.5 s later.)
+    ``seconds_per_sequence`` (output tokens x ITL) on average, so within ``wait`` they start another
+    ``n x batch x wait / seconds_per_sequence``: ``n >= held / (batch x (1 + wait / seconds_per_sequence))``.
+    With no wait allowed, or no output length learned, every sequence needs a slot now: ``held / batch``.
+    (A slot for every sequence asked 4 decode pods for a burst that 2-3 serve within the TTFT target, and
+    one queued sequence of a Poisson burst added a pod for it.)
     """
-    if seconds_per_sequence is None or seconds_per_sequence <= 0:
+    if seconds_per_sequence is None or seconds_per_sequence <= 0 or wait <= 0:
         return held / batch
-    wait, handoff = max(0.0, wait), max(0.0, handoff)
-    here = max(0.0, held - prefilling)
-    pods = here / (batch * (1.0 + wait / seconds_per_sequence))
-    for k in range(1, math.ceil(held - here - 1e-9) + 1):
-        later = (k - 0.5) * handoff
-        pods = max(pods, min(here + k, held) / (batch * (1.0 + (wait + later) / seconds_per_sequence)))
-    return pods
+    return held / (batch * (1.0 + wait / seconds_per_sequence))
 
 
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
@@ -446,8 +434,6 @@ def estimate_prefill(windows: list[PodWindow], *, target: float, learned: Prefil
     if throughput is not None and uncached is not None:
         alone = uncached / throughput
         numbers["service_s"] = alone
-        # While busy, prefill hands a request on to decode about every ``alone`` over its pods.
-        numbers["handoff_s"] = alone / len(windows)
         pods, utilisation, reachable = prefill_pods(rate=rate, uncached=uncached, throughput=throughput,
                                                      target=target)
         hold, _, _ = prefill_pods(rate=rate, uncached=uncached, throughput=throughput, target=target * (1 - margin))
@@ -507,8 +493,7 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
                     margin: float = SCALE_IN_MARGIN, arrivals: float | None = None,
-                    prefilling: float = 0.0, tolerance: float = 0.1, wait: float = 0.0,
-                    handoff: float = 0.0) -> Estimate:
+                    prefilling: float = 0.0, tolerance: float = 0.1, wait: float = 0.0) -> Estimate:
     """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
 
     ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
@@ -520,8 +505,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     requests prefill holds now, each a decode sequence one prefill from now (decode's own count showed a
     burst only once prefill had passed it on, two to four seconds late). ``wait``: how long a sequence may
     queue for a slot (what the TTFT target leaves after prefill): slots that free within it count
-    (``decode_slot_pods``). ``handoff``: how often prefill hands a request on while busy (seconds); the
-    slots that free before a request in prefill reaches decode count for it too.
+    (``decode_slot_pods``).
     """
     settled = settled_seconds >= lookback_seconds
     if not windows:
@@ -560,8 +544,6 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     missing = mean_itl is not None and mean_itl > target
     # The sequences held now, each needing a batch slot within the target: the requests in prefill too.
     held = sum(w.in_flight_now for w in windows) + prefilling
-    if prefilling and handoff:
-        numbers["prefill_handoff_s"] = handoff
     fit = learned.fit()
     if fit is not None:
         a, c = fit
@@ -582,8 +564,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
         # A slot frees every output-length x ITL; the ITL at the batch planned is at most the target.
         lifetime = per_request * min(target, a + c * batch) if per_request is not None else None
-        slots = decode_slot_pods(held, batch=batch, seconds_per_sequence=lifetime, wait=wait,
-                                 prefilling=prefilling, handoff=handoff)
+        slots = decode_slot_pods(held, batch=batch, seconds_per_sequence=lifetime, wait=wait)
         numbers["in_flight_now"], numbers["backlog_pods"], numbers["slot_wait_s"] = held, slots, wait
         urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods,
                               most=urgent_most("decode", current))
@@ -613,8 +594,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         cap = learned.batch_cap
         # The ITL measured is at a batch up to the cap: the target bounds the ITL a full pod would see.
         lifetime = per_request * target if per_request is not None else None
-        slots = decode_slot_pods(held, batch=cap, seconds_per_sequence=lifetime, wait=wait,
-                                 prefilling=prefilling, handoff=handoff)
+        slots = decode_slot_pods(held, batch=cap, seconds_per_sequence=lifetime, wait=wait)
         # Without the slope the rates still bound what the role needs once the queue drains: the tokens/s
         # coming at the ITL measured keep tokens x ITL sequences running (Little), at most ``cap`` a pod. The
         # ITL measured at a smaller batch is low, so this bound is too: the backlog's step is never cut below
@@ -994,8 +974,7 @@ class RolePlanner:
              prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None,
              created_at: Mapping[str, float] | None = None, held: float | None = None,
              prefill_left: int = 0, max_num_seqs: int | None = None,
-             prefill_ttft: float | None = None, prefill_handoff: float | None = None,
-             upstream: float = 0.0) -> Decision:
+             prefill_ttft: float | None = None, upstream: float = 0.0) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
@@ -1008,8 +987,6 @@ class RolePlanner:
         running-sequence cap the engine's command line sets (None: learned from queues). ``prefill_ttft``
         (decode only): prefill's TTFT p90 over the lookback; what the TTFT target leaves after it is how
         long a sequence may wait for a decode slot (None: no wait allowed, a slot for every sequence).
-        ``prefill_handoff`` (decode only): how often prefill hands a request on while busy, seconds (None: the
-        requests it holds count as needing a decode slot now).
         ``upstream`` (prefill only): requests the routers hold for prefill room (``router.prefillConcurrency``).
         """
         pods = list(pods)
@@ -1064,11 +1041,11 @@ class RolePlanner:
         else:
             self.decode.configured = float(max_num_seqs) if max_num_seqs is not None else None
             self.decode.observe(windows, seconds=targets.interval_seconds)
-            wait = max(0.0, targets.ttft_seconds - prefill_ttft) if prefill_ttft is not None else 0.0
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
                                   margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,
-                                  tolerance=targets.tolerance, wait=wait, handoff=prefill_handoff or 0.0)
+                                  tolerance=targets.tolerance,
+                                  wait=max(0.0, targets.ttft_seconds - prefill_ttft) if prefill_ttft is not None else 0.0)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         demand = est.demand if est.demand is not None else (0.0 if est.pods == 0.0 else None)
         if demand is not None:

@@ -17,7 +17,6 @@ from daybreak.operator.planner import (
     RolePlanner,
     Targets,
     backlog_step,
-    decode_slot_pods,
     deletion_costs,
     estimate_decode,
     policy_for,
@@ -851,28 +850,3 @@ def test_requests_the_router_holds_for_prefill_room_are_prefill_s_backlog_and_de
     # The engines time a request from its arrival there: the router's wait (Little's law) is added to the p90.
     assert last[1].numbers["router_wait_s"] > 0
     assert last[1].numbers["ttft_p90_s"] > last[0].numbers["ttft_p90_s"] + last[1].numbers["router_wait_s"] / 2
-
-
-def test_a_request_still_in_prefill_needs_its_decode_slot_only_when_prefill_hands_it_on() -> None:
-    # The step's base phase (bench log, seed 7): one decode pod of 4 slots running 3 sequences, 63-token outputs
-    # at the 80 ms target (a slot frees every 5.04 s / 4), 0.53 s left of the TTFT target after prefill's p90, and
-    # 2 requests on the one prefill pod (0.91 s each). Counted as needing a slot now, the 5 asked for 1.13 pods
-    # and a decode pod came and went in the steady phase; they reach decode 0.46 and 1.37 s from now, by when
-    # slots have freed: one pod serves them.
-    lifetime, wait = 63 * 0.08, 0.53
-    now = decode_slot_pods(5.0, batch=4.0, seconds_per_sequence=lifetime, wait=wait, prefilling=2.0)
-    assert now == pytest.approx(5 / (4 * (1 + wait / lifetime)))
-    assert round_with_tolerance(now, current=1, tolerance=0.1) == 2
-    handed = decode_slot_pods(5.0, batch=4.0, seconds_per_sequence=lifetime, wait=wait, prefilling=2.0, handoff=0.91)
-    assert handed == pytest.approx(5 / (4 * (1 + (wait + 1.5 * 0.91) / lifetime)))  # the last in line decides
-    assert round_with_tolerance(handed, current=1, tolerance=0.1) == 1
-    # The step itself: 12 held, 8 of them in prefill on 2 pods (one handed on every 0.5 s), no wait left. A slot
-    # each asks for 3 pods; by when prefill hands on the eighth (3.75 s) 2 pods have freed enough.
-    burst = decode_slot_pods(12.0, batch=4.0, seconds_per_sequence=lifetime, wait=0.0, prefilling=8.0, handoff=0.5)
-    assert burst == pytest.approx(12 / (4 * (1 + 3.75 / lifetime)))
-    assert math.ceil(burst) == 2 and decode_slot_pods(12.0, batch=4.0, seconds_per_sequence=lifetime, wait=0.0,
-                                                       prefilling=8.0) == 3.0
-    # Sequences already on decode get no such time, and with no output length learned every one needs a slot.
-    assert decode_slot_pods(12.0, batch=4.0, seconds_per_sequence=lifetime, wait=0.0, handoff=0.5) == 3.0
-    assert decode_slot_pods(5.0, batch=4.0, seconds_per_sequence=None, wait=wait, prefilling=2.0,
-                            handoff=0.91) == 5 / 4
