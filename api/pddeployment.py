@@ -43,6 +43,13 @@ class PlannerPolicy(StrEnum):
     PREDICTIVE = "predictive"
 
 
+class RoomOrder(StrEnum):
+    """Which request waiting in the router for prefill room goes first (``router.roomOrder``)."""
+
+    ARRIVAL = "arrival"
+    DEADLINE = "deadline"
+
+
 class CachePolicy(StrEnum):
     PRESERVE = "preserve"
     FLUSH = "flush"
@@ -153,6 +160,12 @@ class RouterSpec(ApiModel):
             check=lambda r: r.decode_prefill == 0 or r.prefill_concurrency > 0,
             field_path=".decodePrefill",
         ),
+        CelRule(
+            rule="self.roomOrder == 'arrival' || self.prefillConcurrency > 0",
+            message="roomOrder deadline needs prefillConcurrency: only then do requests wait in the router",
+            check=lambda r: r.room_order is RoomOrder.ARRIVAL or r.prefill_concurrency > 0,
+            field_path=".roomOrder",
+        ),
     )
 
     enabled: bool = True
@@ -176,6 +189,11 @@ class RouterSpec(ApiModel):
     (needs prefillConcurrency): they go straight to decode instead of waiting, and decode prefills them in its
     own batch, slowing the steps of the sequences it decodes meanwhile (Dynamo's conditional
     disaggregation). The planner counts them as prefill's backlog. 0: a request always waits for prefill."""
+    room_order: RoomOrder = RoomOrder.ARRIVAL
+    """Who takes a prefill room first (needs prefillConcurrency): arrival, first come first served; deadline,
+    the requests that can still have their first token within autoscaling.ttftSeconds of arriving, then those
+    that cannot (they miss it wherever they wait; they now wait longer, never past the router's hold limit).
+    In a burst deadline keeps more requests within the target, at the cost of the late ones' TTFT."""
 
 
 class AutoscalingSpec(ApiModel):

@@ -113,6 +113,8 @@ ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds",
 # just started included (a vLLM GPU pod batches prefills to use the device: give it more).
 PREFILL_CONCURRENCY = 1
 DECODE_PREFILL = 0  # router.decodePrefill: off by default until a run shows it pays (docs/performance.md)
+ROOM_ORDERS = ("arrival", "deadline")  # router.roomOrder (api.pddeployment.RoomOrder)
+ROOM_ORDER = "arrival"  # the figures before 2026-12-07 (fifth session) ran first come, first served
 SEED = 7  # the load seed of every run before --seeds, kept as the default (earlier figures compare)
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
@@ -162,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router.decodePrefill of every configuration: prompts each decode pod may compute "
                              "itself for requests that find no prefill room (needs --prefill-concurrency; "
                              f"default {DECODE_PREFILL})")
+    parser.add_argument("--room-order", choices=ROOM_ORDERS, default=ROOM_ORDER,
+                        help="router.roomOrder of every configuration: which request waiting for prefill room "
+                             "goes first (deadline: those that can still meet --ttft first; needs "
+                             f"--prefill-concurrency; default {ROOM_ORDER})")
     parser.add_argument("--seeds", default=str(SEED),
                         help="load seeds, comma-separated: each configuration runs once per seed and its row "
                              "pools them (shares over all requests, mean pod-seconds, counts summed; each run and "
@@ -502,20 +508,22 @@ def run_revision(name: str, startup_seconds: float, seed: int = SEED) -> str:
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
                  startup_seconds: float = 0.0, revision: str = "r1", prefill_concurrency: int = 0,
-                 decode_prefill: int = 0) -> dict[str, Any]:
+                 decode_prefill: int = 0, room_order: str = ROOM_ORDER) -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
 
     ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``). ``revision``: the model
     revision, part of the KV namespace: the bench gives every run its own, so no run reads the blocks an
     earlier run wrote (same seed, same prompts: every run after the first found them in the pool).
-    ``prefill_concurrency``, ``decode_prefill``: the router's ``prefillConcurrency`` and ``decodePrefill``
-    (0: unset).
+    ``prefill_concurrency``, ``decode_prefill``, ``room_order``: the router's ``prefillConcurrency``,
+    ``decodePrefill`` (0: unset) and ``roomOrder``.
     """
     router: dict[str, Any] = {"cacheStatistics": True}  # the load's hit rate reads cached_tokens
     if prefill_concurrency:
         router["prefillConcurrency"] = prefill_concurrency
     if decode_prefill:
         router["decodePrefill"] = decode_prefill
+    if room_order != ROOM_ORDER:
+        router["roomOrder"] = room_order
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
         "apiVersion": vocab.API_VERSION, "kind": "PDDeployment", "metadata": {"name": name},
@@ -659,7 +667,8 @@ class Bench:
         a = self.args
         self.cluster.kubectl("apply", "-n", NS, "-f", "-", stdin=yaml.safe_dump(pdd_manifest(
             name, replicas=replicas, startup_seconds=startup_seconds, prefill_concurrency=a.prefill_concurrency,
-            decode_prefill=a.decode_prefill, revision=run_revision(name, startup_seconds, seed), autoscaling={
+            decode_prefill=a.decode_prefill, room_order=a.room_order,
+            revision=run_revision(name, startup_seconds, seed), autoscaling={
                 "enabled": autoscale, "ttftSeconds": a.ttft, "itlSeconds": a.itl, "intervalSeconds": a.interval,
                 "scaleUpStabilizationSeconds": a.up_window, "scaleDownStabilizationSeconds": a.down_window,
                 "policy": policy})))
@@ -866,12 +875,14 @@ def run(args: argparse.Namespace) -> int:
     seeds = seed_values(args.seeds)
     if args.decode_prefill < 0 or (args.decode_prefill and args.prefill_concurrency <= 0):
         raise SystemExit("--decode-prefill needs --prefill-concurrency (and is 0 or more)")
+    if args.room_order != "arrival" and args.prefill_concurrency <= 0:
+        raise SystemExit("--room-order deadline needs --prefill-concurrency")
     if args.sample < 1 or args.time_scale <= 0:
         raise SystemExit("--sample must be at least 1 and --time-scale positive")
     settings: dict[str, Any] = {k: getattr(args, k) for k in (
         "base_rate", "base_seconds", "peak_seconds", "after_seconds", "peak_factor", "ttft", "itl", "interval",
         "up_window", "down_window", "shape", "period_seconds", "sample", "time_scale", "trace_seconds",
-        "warmup_seconds", "prefill_concurrency", "decode_prefill")}
+        "warmup_seconds", "prefill_concurrency", "decode_prefill", "room_order")}
     settings["trace"] = str(args.trace) if args.trace else None
     settings["startup_seconds"] = startups
     settings["seeds"] = seeds

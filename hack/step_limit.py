@@ -14,6 +14,9 @@ docs/performance.md ("The step's information limit"):
    (the router's prefill room), a second pod serving ``lag`` seconds after the step: the requests whose
    TTFT passes the 4 s target (less 0.1 s for decode's first token). Decode and the hold are left out, so
    these are the fewest misses a lag can cost.
+4. The same lag with the router's order of who takes a free slot (``router.roomOrder``, docs/serving.md):
+   first come, first served (table 3's, event by event) against deadline (the first in line that can
+   still make the target goes first, the first in line only when none can).
 """
 
 from __future__ import annotations
@@ -99,6 +102,45 @@ def misses(rng: random.Random, lag: float) -> int:
     return missed
 
 
+def step_arrivals(rng: random.Random) -> list[float]:
+    t, arrivals = 0.0, []
+    while True:
+        t += rng.expovariate(BASE if t < 40.0 else PEAK)
+        if t >= 80.0:
+            return arrivals
+        arrivals.append(t)
+
+
+def ordered_misses(arrivals: list[float], lag: float, *, deadline: bool) -> int:
+    """Table 3's pods and line, event by event: at each free slot the order picks who starts."""
+    free = [0.0, 40.0 + lag]  # the second pod is free from when it serves
+    line: list[float] = []
+    i, missed = 0, 0
+    while i < len(arrivals) or line:
+        k = min(range(len(free)), key=free.__getitem__)
+        now = free[k] if line else max(free[k], arrivals[i])
+        while i < len(arrivals) and arrivals[i] <= now:
+            line.append(arrivals[i])
+            i += 1
+        fresh = [a for a in line if now - a + SERVICE <= TARGET] if deadline else []
+        a = fresh[0] if fresh else line[0]
+        line.remove(a)
+        free[k] = now + SERVICE
+        missed += a >= 40.0 and now + SERVICE - a > TARGET
+    return missed
+
+
+def order_table(runs: int) -> None:
+    rng = random.Random(5)
+    print(f"{'lag':>4}  {'first come mean':>15}  {'p90':>4}  {'deadline mean':>13}  {'p90':>4}")
+    for lag in (6, 8, 10, 12, 14):
+        pairs = [(ordered_misses(a, lag, deadline=False), ordered_misses(a, lag, deadline=True))
+                 for a in (step_arrivals(rng) for _ in range(runs))]
+        fifo, edf = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+        print(f"{lag:3d}s  {statistics.mean(fifo):15.1f}  {fifo[9 * runs // 10]:4d}  {statistics.mean(edf):13.1f}  "
+              f"{edf[9 * runs // 10]:4d}")
+
+
 def lag_table(runs: int) -> None:
     rng = random.Random(3)
     print(f"{'lag':>4}  {'misses mean':>11}  {'p90':>4}  (of ~48 peak requests; 95 in a run)")
@@ -114,3 +156,5 @@ if __name__ == "__main__":
     detection_table(learn=True, runs=2000, steady_seconds=6000, thresholds=(5.0, 8.0, 11.0, 14.0, 17.0))
     print("\n3. TTFT misses in the step's peak by when the second prefill pod serves")
     lag_table(runs=4000)
+    print("\n4. The same, by the router's order of who takes a free slot")
+    order_table(runs=4000)

@@ -36,7 +36,7 @@ from daybreak.api import labels as vocab
 from daybreak.api.enginepod import EnginePodEnv, EngineRole, VllmKVRole, vllm_kv_transfer_config
 from daybreak.api.kvcompat import EngineKind
 from daybreak.api.kvpool import KVPool, Transport
-from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec
+from daybreak.api.pddeployment import PDDeployment, Role, RoleSpec, RoomOrder
 from daybreak.operator import conditions as cond
 from daybreak.operator.children import dns_name, standard_labels
 from daybreak.operator.kube import Manifest
@@ -315,6 +315,8 @@ def router_template(pdd: PDDeployment, pool: KVPool, *, image: str, policy: Pool
         container["command"] += ["--prefill-concurrency", str(router_spec.prefill_concurrency)]
     if router_spec.decode_prefill:
         container["command"] += ["--decode-prefill", str(router_spec.decode_prefill)]
+    if router_spec.room_order is RoomOrder.DEADLINE:
+        container["command"] += ["--ttft-target", f"{pdd.spec.autoscaling.ttft_seconds:g}"]
     if router_spec.auth is not None:
         # The Secret as files, one per credential; the router re-reads them, so a rotation needs no restart.
         container["command"] += ["--auth-dir", ROUTER_AUTH_DIR]

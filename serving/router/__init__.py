@@ -155,6 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --prefill-concurrency: prompts per ready decode pod that decode may compute itself, "
                    "in flight at once, for requests that would wait for prefill room; 0: they always wait "
                    "($DAYBREAK_ROUTER_DECODE_PREFILL, 0)")
+    h.add_argument("--ttft-target", type=float,
+                   default=float(_env("DAYBREAK_ROUTER_TTFT_TARGET", "0") or 0),
+                   help="with --prefill-concurrency: requests waiting for prefill room that can still have "
+                   "their first token within this many seconds of arriving go before those that cannot "
+                   "(which miss it wherever they wait); 0: first come, first served "
+                   "($DAYBREAK_ROUTER_TTFT_TARGET, 0)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="SIGTERM: serve at most this long "
                         "before stopping (in-flight requests and those still arriving)")
     parser.add_argument("--drain-quiet-seconds", type=float, default=0.0,
@@ -229,6 +235,12 @@ async def _main(args: argparse.Namespace) -> int:
     if args.decode_prefill and not args.prefill_concurrency:
         raise SystemExit("--decode-prefill needs --prefill-concurrency: only then does the router know prefill "
                          "has no room")
+    if not args.ttft_target >= 0:
+        raise SystemExit(f"--ttft-target: {args.ttft_target} is negative; give 0 (first come, first served) or "
+                         "more")
+    if args.ttft_target and not args.prefill_concurrency:
+        raise SystemExit("--ttft-target needs --prefill-concurrency: only then do requests wait in the router "
+                         "for prefill room")
     if not args.request_timeout_seconds > 0:
         raise SystemExit(f"--request-timeout-seconds: {args.request_timeout_seconds} must be positive")
     if not args.hold_seconds > 0:
@@ -248,7 +260,7 @@ async def _main(args: argparse.Namespace) -> int:
         max_concurrent_per_client=args.max_concurrent_per_client, max_model_len=args.max_model_len or None,
         cache_statistics=args.cache_statistics, debug_headers=args.debug_headers,
         hold_queue=args.hold_queue, hold_seconds=args.hold_seconds, prefill_concurrency=args.prefill_concurrency,
-        decode_prefill=args.decode_prefill)
+        decode_prefill=args.decode_prefill, ttft_target_seconds=args.ttft_target or None)
     api: Any = None
 
     async def need_api() -> Any:
@@ -312,13 +324,15 @@ async def _main(args: argparse.Namespace) -> int:
 
     log.info("event=settings mode=%s prefill=%s decode=%s pool_lookup=%s block_tokens=%s deadline_s=%.1f "
              "max_attempts=%d cost=%s auth=%s credentials=%d max_concurrent_per_client=%d request_timeout_s=%g "
-             "max_model_len=%s cache_statistics=%s debug_headers=%s hold_queue=%d hold_s=%g", "colocated" if prefill is None else "pd",
+             "max_model_len=%s cache_statistics=%s debug_headers=%s hold_queue=%d hold_s=%g prefill_concurrency=%d "
+             "decode_prefill=%d ttft_target_s=%s", "colocated" if prefill is None else "pd",
              args.prefill_service or args.prefill_endpoints or "-", args.decode_service or args.decode_endpoints,
              "pool-ref:" + args.pool_ref if pool and args.pool_ref else ("static" if pool else "off"),
              block_tokens, config.deadline_seconds, config.max_attempts, config.cost,
              "bearer" if auth else "off", len(auth.names) if auth else 0, config.max_concurrent_per_client,
              config.request_timeout_seconds, config.max_model_len or "from-engines", config.cache_statistics,
-             config.debug_headers, config.hold_queue, config.hold_seconds)
+             config.debug_headers, config.hold_queue, config.hold_seconds, config.prefill_concurrency,
+             config.decode_prefill, config.ttft_target_seconds or "-")
     router = Router(config=config, prefill=prefill, decode=decode, pool=pool, kv_namespace=args.kv_namespace,
                     auth=auth)
     try:

@@ -55,7 +55,9 @@ Bounded, so that no client starves the others (docs/security.md):
   ``role="prefill"``) and goes to the first pod with room, one that just
   started included, instead of the least-loaded pod's own queue at arrival.
   It never fails for room: past ``--hold-seconds`` or with the queue full
-  it is bound at once as without the bound.
+  it is bound at once as without the bound. With ``--ttft-target S`` the
+  requests that can still have their first token within S of arriving go
+  first, and those that cannot (they miss it wherever they wait) after.
 - **Prefill on decode while prefill has no room** (``--decode-prefill K``,
   with ``--prefill-concurrency``): a request that would wait for prefill
   room goes straight to decode instead while fewer than K such prompts per
@@ -124,6 +126,7 @@ PREFIX_TIMEOUT = 0.5
 HOLD_RETRY_AFTER_SECONDS = 10
 # How often a held request looks whether every role has a ready pod (discovery re-reads about every second).
 HOLD_POLL_SECONDS = 0.1
+PREFILL_STEP_WEIGHT = 0.2  # of the newest prefill step in the router's running mean (``Router._next_in_line``)
 DEFAULT_HOLD_QUEUE = 64
 DEFAULT_HOLD_SECONDS = 120.0
 # How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
@@ -171,6 +174,10 @@ class RouterConfig:
     decode_prefill: int = 0
     """With ``prefill_concurrency``: prompts per ready decode pod that decode may compute itself, in flight at
     once, instead of waiting for prefill room. 0: never (a request always waits for prefill)."""
+    ttft_target_seconds: float | None = None
+    """With ``prefill_concurrency``: requests held for prefill room that can still have their first token
+    within this long of arriving go before those that cannot (``Router._next_in_line``). None: first come,
+    first served."""
 
 
 class Metrics:
@@ -283,6 +290,14 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
     return out
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """A request in line for prefill room; compared by identity."""
+
+    started: float
+    """When it arrived (monotonic): its TTFT runs from here."""
+
+
 @dataclass
 class _Stream:
     """Relay state of one streamed decode: what the client already has."""
@@ -323,8 +338,9 @@ class Router:
         self._idle.set()
         self.held = 0
         """Requests held right now for lack of a ready engine or of prefill room (at most ``config.hold_queue``)."""
-        self._room_queue: deque[object] = deque()  # requests waiting for prefill room, first come first
+        self._room_queue: deque[_Waiting] = deque()  # requests waiting for prefill room, in arrival order
         self._admitting = 0  # requests let through to a prefill slot that have not begun their step yet
+        self._prefill_seconds: float | None = None  # a prefill step's recent duration (mean, PREFILL_STEP_WEIGHT)
         self._decode_prefilling = 0  # requests sent to decode without prefill for lack of prefill room, in flight
         if config.hold_queue > 0:
             self.metrics.export_held(["engine"] if prefill is None else ["prefill", "decode"])
@@ -740,7 +756,7 @@ class Router:
         return self._decode_prefilling < self.config.decode_prefill * len(pods)
 
     async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> Room:
-        """Wait, first come first served, until a prefill pod has fewer than ``--prefill-concurrency`` steps in
+        """Wait in line (``_next_in_line``) until a prefill pod has fewer than ``--prefill-concurrency`` steps in
         flight (``Room.SLOT``: ``_admitting`` counts it until the step begins), or, with ``--decode-prefill``,
         until decode may compute the prompt itself (``Room.DECODE``: counted in ``_decode_prefilling``, which
         the caller releases when the decode step ends), whichever comes first.
@@ -761,7 +777,7 @@ class Router:
                 return self._to_decode()
         if self.held >= self.config.hold_queue:
             return Room.UNBOUNDED
-        ticket = object()
+        ticket = _Waiting(started)
         self._room_queue.append(ticket)
         self.held += 1
         gauge = self.metrics.held
@@ -770,7 +786,7 @@ class Router:
         outcome = "bound_anyway"
         try:
             while time.monotonic() < deadline and self._pods_of(self.prefill, kv_namespace):
-                if self._room_queue[0] is ticket:
+                if self._next_in_line(time.monotonic()) is ticket:
                     if self._prefill_free(kv_namespace) > 0:
                         self._admitting += 1
                         outcome = "room"
@@ -793,6 +809,25 @@ class Router:
             self.metrics.hold_seconds.observe(time.monotonic() - started)
             log.debug("event=room_wait_ended id=%s outcome=%s waited_s=%.3f", rid, outcome,
                       time.monotonic() - started)
+
+    def _next_in_line(self, now: float) -> _Waiting:
+        """Who takes the next prefill room: the first in line, or with ``ttft_target_seconds`` the first in
+        line that can still have its first token within the target (its wait so far plus a prefill step,
+        ``_prefill_seconds``), and the first in line only when none can.
+
+        Why: in a burst the pods are short for a while and the line grows; first come, first served then
+        spends every slot on requests that have already waited past the target and miss it wherever they
+        wait, and so makes the next ones late too. Served first, the requests that can still make it do;
+        the late ones wait longer (their TTFT grows, never past ``--hold-seconds``, after which they are
+        bound to a pod as without the bound) and are not failed. The line keeps arrival order within each
+        kind, and the choice is remade at every free slot (a request turns late while it waits)."""
+        target = self.config.ttft_target_seconds
+        if target is not None:
+            step = self._prefill_seconds or 0.0
+            for waiting in self._room_queue:
+                if now - waiting.started + step <= target:
+                    return waiting
+        return self._room_queue[0]
 
     def _to_decode(self) -> Room:
         self._decode_prefilling += 1
@@ -939,7 +974,11 @@ class Router:
                         if not isinstance(reply, dict):
                             raise ValueError("engine reply is not a JSON object")
                         failed = False
-                        self.metrics.step_seconds.labels(role).observe(time.monotonic() - t)
+                        took = time.monotonic() - t
+                        self.metrics.step_seconds.labels(role).observe(took)
+                        if role == "prefill":
+                            last = self._prefill_seconds
+                            self._prefill_seconds = took if last is None else last + PREFILL_STEP_WEIGHT * (took - last)
                         return address, reply
                     if r.status not in RETRYABLE_STATUS:
                         failed = False

@@ -147,6 +147,10 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
      ["spec.router.prefillConcurrency"]),
     ("pdd-decode-prefill-without-concurrency", PDD, {"router": {"decodePrefill": 2}},
      ["spec.router.decodePrefill", "decodePrefill needs prefillConcurrency"]),
+    ("pdd-deadline-without-concurrency", PDD, {"router": {"roomOrder": "deadline"}},
+     ["spec.router.roomOrder", "roomOrder deadline needs prefillConcurrency"]),
+    ("pdd-unknown-room-order", PDD, {"router": {"prefillConcurrency": 1, "roomOrder": "shortest"}},
+     ["spec.router.roomOrder", "Unsupported value"]),
     ("pdd-unknown-planner-policy", PDD, {"autoscaling": {"enabled": True, "policy": "psychic"}},
      ["spec.autoscaling.policy", "Unsupported value"]),
     ("pdd-replicas-wrong-type", PDD, {"prefill": {"replicas": "two"}}, ["spec.prefill.replicas"]),
@@ -273,7 +277,7 @@ def test_pdd_defaults(applied: Api) -> None:
     assert spec["model"]["kvLayout"]["dtype"] == "bfloat16" and spec["model"]["kvLayout"]["blockTokens"] == 16
     assert spec["updateStrategy"] == {"maxSurge": 1, "maxUnavailable": 0, "cache": "preserve"}
     assert spec["router"] == {"enabled": True, "replicas": 1, "cacheStatistics": False,  # no auth unless named
-                              "prefillConcurrency": 0, "decodePrefill": 0}
+                              "prefillConcurrency": 0, "decodePrefill": 0, "roomOrder": "arrival"}
     assert spec["autoscaling"]["enabled"] is False and spec["autoscaling"]["intervalSeconds"] == 15
 
 

@@ -115,6 +115,13 @@ def test_the_router_discovers_engines_from_endpointslices_and_takes_the_namespac
         **_load("pddeployment-sim.yaml")["spec"], "router": {"prefillConcurrency": 3, "decodePrefill": 2}}})
     command = _container(_workload(pdd_mod.build(bounded, pool, image=IMAGE), Role.ROUTER))["command"]
     assert command[-4:] == ["--prefill-concurrency", "3", "--decode-prefill", "2"]
+    # roomOrder deadline passes the TTFT target the planner keeps (autoscaling.ttftSeconds).
+    spec = _load("pddeployment-sim.yaml")["spec"]
+    ordered = PDDeployment.from_body(_load("pddeployment-sim.yaml") | {"spec": {
+        **spec, "router": {"prefillConcurrency": 1, "roomOrder": "deadline"},
+        "autoscaling": {**spec.get("autoscaling", {}), "ttftSeconds": 2.5}}})
+    command = _container(_workload(pdd_mod.build(ordered, pool, image=IMAGE), Role.ROUTER))["command"]
+    assert command[-4:] == ["--prefill-concurrency", "1", "--ttft-target", "2.5"]
 
 
 def test_serving_pods_may_read_their_pool_endpointslices_and_pods_and_nothing_else() -> None:

@@ -204,6 +204,52 @@ def test_with_prefill_concurrency_a_request_waits_in_the_router_for_the_first_po
         stack.close()
 
 
+def test_with_a_ttft_target_a_request_that_can_still_make_it_goes_before_one_that_cannot(tmp_path: Path) -> None:
+    """``--prefill-concurrency 1 --ttft-target 4.5``, one prefill pod taking about 2.75 s a prompt: A takes
+    the pod, B waits for it from 0.5 s, C arrives at about 2 s. When A ends, B has waited 2.25 s and a prefill
+    more takes it past the target wherever it goes; C (0.7 s in) still makes it if it goes now. It does: C is
+    answered before B, and B after, not failed. First come, first served gives the slot to B: both miss."""
+    slow = ["--prefill-per-token-seconds", "0.0275"]  # 100-token prompts: 2.75 s of prefill each
+
+    def prompt(first: int) -> dict[str, Any]:  # distinct tokens: no prompt is a cache hit of another
+        return {"prompt": list(range(first, first + 100)), "max_tokens": 2}
+
+    def answered(stack: Stack, target: float | None) -> list[str]:
+        done: dict[str, float] = {}
+
+        async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+            pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+                                            asyncio.to_thread(stack.engine, "decode", pool=False))
+            prefill.ready = {pre.address: None}
+            decode.ready = {dec.address: None}
+            loop = asyncio.get_running_loop()
+            async with aiohttp.ClientSession() as session:
+                await _until("the router to list the engines", lambda: _health_ok(session, url))
+
+                async def send(name: str, first: int) -> int:
+                    status, _, _ = await _post(session, url, prompt(first))
+                    done[name] = loop.time()
+                    return status
+
+                a = asyncio.create_task(send("A", 1000))
+                await asyncio.sleep(0.5)  # A takes the pod on arrival
+                b = asyncio.create_task(send("B", 2000))
+                await _until("B to wait for prefill room", lambda: _is_held(session, url, 1.0))
+                await asyncio.sleep(1.5)
+                c = asyncio.create_task(send("C", 3000))
+                assert await asyncio.wait_for(asyncio.gather(a, b, c), 60) == [200, 200, 200]
+
+        try:
+            asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
+                                              ttft_target_seconds=target), scenario))
+        finally:
+            stack.close()
+        return sorted(done, key=done.__getitem__)
+
+    assert answered(Stack(tmp_path / "deadline"), 4.5) == ["A", "C", "B"]
+    assert answered(Stack(tmp_path / "arrival"), None) == ["A", "B", "C"]
+
+
 async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
     async with session.get(f"{url}/health") as r:
         body = await r.json()
@@ -248,9 +294,10 @@ async def _backlog_is(session: aiohttp.ClientSession, url: str, want: RouterBack
     return await _backlog(session, url) == want
 
 
-def test_decode_prefill_without_prefill_concurrency_is_refused_naming_both_flags() -> None:
-    done = subprocess.run([sys.executable, "-m", "daybreak", "router", "--decode-endpoints", "127.0.0.1:1",
-                           "--prefill-endpoints", "127.0.0.1:2", "--decode-prefill", "1"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    assert "--decode-prefill needs --prefill-concurrency" in done.stderr, done.stderr
+def test_decode_prefill_or_a_ttft_target_without_prefill_concurrency_is_refused_naming_both_flags() -> None:
+    for flag in ("--decode-prefill", "--ttft-target"):
+        done = subprocess.run([sys.executable, "-m", "daybreak", "router", "--decode-endpoints", "127.0.0.1:1",
+                               "--prefill-endpoints", "127.0.0.1:2", flag, "1"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0
+        assert f"{flag} needs --prefill-concurrency" in done.stderr, done.stderr
