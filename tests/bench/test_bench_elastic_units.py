@@ -172,7 +172,10 @@ def test_start_up_delays_reach_the_engines_and_each_gets_its_own_comparison() ->
     from daybreak.api.pddeployment import PDDeployment as Pdd
 
     bounded = Pdd.model_validate(pdd_manifest("x", replicas=(1, 1), autoscaling={}, prefill_concurrency=2))
-    assert bounded.spec.router.prefill_concurrency == 2
+    assert bounded.spec.router.prefill_concurrency == 2 and bounded.spec.router.room_order == "arrival"
+    ordered = Pdd.model_validate(pdd_manifest("x", replicas=(1, 1), autoscaling={}, prefill_concurrency=1,
+                                              room_order="deadline"))
+    assert ordered.spec.router.room_order == "deadline"
     # Every run its own KV namespace (the revision is part of it): no run reads what an earlier one wrote.
     from daybreak.api.pddeployment import PDDeployment
 
