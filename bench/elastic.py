@@ -85,6 +85,7 @@ import httpx
 import yaml
 
 from daybreak.api import labels as vocab
+from daybreak.api.pddeployment import RoomOrder
 from daybreak.serving.load.summary import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,9 @@ ENGINE_ARGS = ["--time-scale", f"{TIME_SCALE:g}", "--prefill-per-token-seconds",
 # just started included (a vLLM GPU pod batches prefills to use the device: give it more).
 PREFILL_CONCURRENCY = 1
 DECODE_PREFILL = 0  # router.decodePrefill: off by default until a run shows it pays (docs/performance.md)
-ROOM_ORDERS = ("arrival", "deadline")  # router.roomOrder (api.pddeployment.RoomOrder)
 # The requests that can still meet the TTFT target first (docs/performance.md, 2026-12-07 fifth session: the
 # step 92.8 -> 96.0%, the Azure trace 74.2 -> 82.5%); the figures before that ran "arrival".
-ROOM_ORDER = "deadline"
+ROOM_ORDER = RoomOrder.DEADLINE.value
 SEED = 7  # the load seed of every run before --seeds, kept as the default (earlier figures compare)
 TURNS, SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS = 3, 128, 256, 64
 LOAD_ARGS = ["--turns", str(TURNS), "--system-tokens", str(SYSTEM_TOKENS), "--user-tokens", str(USER_TOKENS),
@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router.decodePrefill of every configuration: prompts each decode pod may compute "
                              "itself for requests that find no prefill room (needs --prefill-concurrency; "
                              f"default {DECODE_PREFILL})")
-    parser.add_argument("--room-order", choices=ROOM_ORDERS, default=ROOM_ORDER,
+    parser.add_argument("--room-order", choices=[o.value for o in RoomOrder], default=ROOM_ORDER,
                         help="router.roomOrder of every configuration: which request waiting for prefill room "
                              "goes first (deadline: those that can still meet --ttft first; needs "
                              f"--prefill-concurrency; default {ROOM_ORDER})")
@@ -510,7 +510,7 @@ def run_revision(name: str, startup_seconds: float, seed: int = SEED) -> str:
 
 def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str, Any],
                  startup_seconds: float = 0.0, revision: str = "r1", prefill_concurrency: int = 0,
-                 decode_prefill: int = 0, room_order: str = "arrival") -> dict[str, Any]:
+                 decode_prefill: int = 0, room_order: str = RoomOrder.ARRIVAL.value) -> dict[str, Any]:
     """The elastic PDDeployment (this cost model, bounds 1..4 per role) on KVPool ``pool``; shared with the e2e test.
 
     ``startup_seconds``: the sim engines' model-loading delay (``--startup-seconds``). ``revision``: the model
@@ -524,7 +524,7 @@ def pdd_manifest(name: str, *, replicas: tuple[int, int], autoscaling: dict[str,
         router["prefillConcurrency"] = prefill_concurrency
     if decode_prefill:
         router["decodePrefill"] = decode_prefill
-    if room_order != "arrival":  # the API's default
+    if room_order != RoomOrder.ARRIVAL:  # the API's default
         router["roomOrder"] = room_order
     args = ENGINE_ARGS + (["--startup-seconds", f"{startup_seconds:g}"] if startup_seconds else [])
     return {
@@ -877,7 +877,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = seed_values(args.seeds)
     if args.decode_prefill < 0 or (args.decode_prefill and args.prefill_concurrency <= 0):
         raise SystemExit("--decode-prefill needs --prefill-concurrency (and is 0 or more)")
-    if args.room_order != "arrival" and args.prefill_concurrency <= 0:
+    if args.room_order != RoomOrder.ARRIVAL and args.prefill_concurrency <= 0:
         raise SystemExit("--room-order deadline (the default) needs --prefill-concurrency: with "
                          "--prefill-concurrency 0 give --room-order arrival")
     if args.sample < 1 or args.time_scale <= 0:

@@ -18,23 +18,25 @@ if TYPE_CHECKING:
 
 # What the lent GPU machine lacks: the GPU check scripts must run without them.
 GPU_MACHINE_ABSENT = ("pydantic", "kopf", "kubernetes", "kubernetes_asyncio")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def apply_crds(kube: LocalCluster) -> None:
+    """Every CRD of crds/ applied server-side and Established."""
+    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
 
 
 def crds_and_namespace(kube: LocalCluster, namespace: str) -> None:
     """The CRDs applied and Established, and ``namespace`` there (created once per cluster)."""
-    kube.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
+    apply_crds(kube)
     if kube.kubectl("get", "namespace", namespace, check=False).returncode != 0:
         kube.kubectl("create", "namespace", namespace)
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 def crds_in_new_namespace(kube: LocalCluster, prefix: str) -> str:
-    """Every CRD applied server-side and Established, and a new namespace ``<prefix>-<6 hex>``; returns it."""
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(REPO / "crds"))
+    """``apply_crds`` and a new namespace ``<prefix>-<6 hex>``; returns it."""
+    apply_crds(kube)
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     kube.kubectl("create", "namespace", namespace)
     return namespace

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import yaml
+from support import crds_in_new_namespace
 
 from daybreak.agent import main as agent_main
 from daybreak.agent.flush import pool_keeps_node
@@ -21,11 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_deleted_pool_leaves_nothing_in_dev_shm(kube: LocalCluster, tmp_path: Path) -> None:
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    ns = f"flush-{uuid.uuid4().hex[:6]}"
+    ns = crds_in_new_namespace(kube, "flush")
     name = f"p{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
     pool = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
     pool["metadata"] = {"name": name, "namespace": ns}
     kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
@@ -59,12 +57,9 @@ def test_deleted_pool_leaves_nothing_in_dev_shm(kube: LocalCluster, tmp_path: Pa
 
 def _pool_and_node(kube: LocalCluster, *, label: str) -> tuple[str, str, str]:
     """A KVPool selecting nodes labelled ``daybreak.dev/accelerator=sunrise`` and a Node labelled ``label``."""
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvpools.daybreak.dev")
-    ns = f"leave-{uuid.uuid4().hex[:6]}"
+    ns = crds_in_new_namespace(kube, "leave")
     name = f"p{uuid.uuid4().hex[:6]}"
     node = f"node-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", ns)
     pool = yaml.safe_load((REPO / "examples" / "kvpool-minimal.yaml").read_text())
     pool["metadata"] = {"name": name, "namespace": ns}
     kube.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
