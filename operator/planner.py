@@ -875,7 +875,8 @@ class Stabiliser:
     Up: the lowest recommendation over the scale-up window (a spike must last), at most the maximum step;
     the window is never shorter than the rates' lookback plus half an interval (one burst interval is not
     demand). The pods a backlog asks for (``Estimate.urgent``: the work held, not a rate) need only the
-    configured window, and at least two scrapes; the maximum step bounds them too.
+    configured window, and at least two scrapes that each ask for more than there is; the latest of them
+    sizes the step (a backlog that grew between them is still growing), and the maximum step bounds it.
     Down: the highest recommendation over the scale-down window (the load must have stayed low the whole
     window), and the window is also measured from the role's last scale-up: the recommendations made
     while the added pods were still starting (or the load was still climbing) say little, and a step up
@@ -923,12 +924,16 @@ class Stabiliser:
         if up > current:
             desired = min(up, current + targets.max_scale_up_step)
             return desired, f"scale up: lowest recommendation over {up_seconds:g}s is {up}"
-        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog.
+        # Two scrapes at least: one reading of the requests held is a moment, not yet a backlog. Once every
+        # reading over the window asks for more than there is, the latest says how many: a backlog that grew
+        # between the readings is the burst still arriving (the lowest reading cost the Azure trace's burst an
+        # interval per step: 1 -> 2 -> 4 prefill pods where the second reading asked for 4 at once).
         short = max(targets.scale_up_stabilization_seconds, 1.5 * targets.interval_seconds)
-        pressed = min(u for t, _, u in self.history if t >= now - short)
-        if pressed > current:
+        readings = [u for t, _, u in self.history if t >= now - short]
+        if len(readings) >= 2 and min(readings) > current:
+            pressed = readings[-1]
             desired = min(pressed, current + targets.max_scale_up_step)
-            return desired, f"scale up: the work held asked for {pressed} over {short:g}s"
+            return desired, f"scale up: the work held asked for more than {current} over {short:g}s, now {pressed}"
         down = max(max(r, u) for t, r, u in self.history if t >= now - targets.scale_down_stabilization_seconds)
         if down < current:
             window = targets.scale_down_stabilization_seconds

@@ -15,6 +15,7 @@ from daybreak.operator.planner import (
     Decision,
     DecodeLearning,
     RolePlanner,
+    Stabiliser,
     Targets,
     backlog_step,
     deletion_costs,
@@ -438,6 +439,34 @@ def test_a_backlog_step_is_hpa_s_per_period_step_for_prefill_and_doubling_for_de
     # A backlog within the dead band asks for nothing; one the rates do not yet back still adds a pod.
     assert backlog_step(1.05, current=1, tolerance=0.1, sustained=4.0, most=urgent_most("prefill", 1)) is None
     assert backlog_step(3.0, current=1, tolerance=0.1, sustained=0.5, most=urgent_most("prefill", 1)) == 2
+
+
+def test_a_backlog_confirmed_by_two_scrapes_is_sized_by_the_latest_and_a_single_one_adds_nothing() -> None:
+    # The rates ask for 1 pod throughout (they lag a burst); the work held asks for 2, then 4. The first reading
+    # is a moment; the second confirms the backlog, and the latest reading sizes the step: 1 -> 4 at once, where
+    # sizing by the lowest reading went 1 -> 2 and waited an interval for 4 (the Azure trace's 95 s burst).
+    t = targets(interval_seconds=1.0, scale_up_stabilization_seconds=1.0)
+    growing = Stabiliser()
+    assert growing.decide(now=1.0, current=1, recommended=1, bounds=(1, 8), targets=t,
+                          can_scale_in=True, urgent=2)[0] == 1
+    desired, why = growing.decide(now=2.0, current=1, recommended=1, bounds=(1, 8), targets=t,
+                                  can_scale_in=True, urgent=4)
+    assert desired == 4 and "work held" in why, why
+    # One reading between two that fit the pods is no backlog: nothing added.
+    blip = Stabiliser()
+    for now, urgent in ((1.0, None), (2.0, 4), (3.0, None)):
+        assert blip.decide(now=now, current=1, recommended=1, bounds=(1, 8), targets=t,
+                           can_scale_in=True, urgent=urgent)[0] == 1, now
+    # A backlog that shrank between the readings asks for what the latest says, still at least one pod more.
+    draining = Stabiliser()
+    draining.decide(now=1.0, current=1, recommended=1, bounds=(1, 8), targets=t, can_scale_in=True, urgent=4)
+    assert draining.decide(now=2.0, current=1, recommended=1, bounds=(1, 8), targets=t,
+                           can_scale_in=True, urgent=2)[0] == 2
+    # The maximum step bounds it as before.
+    capped = Stabiliser()
+    capped.decide(now=1.0, current=1, recommended=1, bounds=(1, 8), targets=t, can_scale_in=True, urgent=2)
+    assert capped.decide(now=2.0, current=1, recommended=1, bounds=(1, 8),
+                         targets=dataclasses.replace(t, max_scale_up_step=2), can_scale_in=True, urgent=6)[0] == 3
 
 
 def test_decode_counts_the_requests_prefill_holds_as_sequences_a_prefill_away() -> None:
