@@ -47,6 +47,7 @@ from daybreak.operator.planner import (
     Targets,
     deletion_costs,
     policy_for,
+    prefill_handover,
 )
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class Autoscaler:
         arrivals: float | None = None  # prefill's arrival rate: decode's load a prefill from now
         prefilling = 0.0  # the requests prefill holds: decode sequences a prefill from now
         prefill_ttft: float | None = None  # prefill's TTFT p90: what is left of the target is decode's to wait
+        handover: float | None = None  # requests/s prefill's pods pass on flat out: how fast decode's load can come
         for role in pdd_mod.ENGINE_ROLES:  # prefill first
             selector = ",".join(f"{k}={v}" for k, v in pdd_mod.selector_for(pdd, role).items())
             every = await self.client.list(POD, namespace=ns, label_selector=selector)
@@ -220,11 +222,13 @@ class Autoscaler:
                                     prefill_left=prefill_left if role is Role.DECODE else 0,
                                     max_num_seqs=max_num_seqs(pdd.spec.engine.args) if role is Role.DECODE else None,
                                     prefill_ttft=prefill_ttft if role is Role.DECODE else None,
-                                    upstream=upstream if role is Role.PREFILL else 0.0)
+                                    upstream=upstream if role is Role.PREFILL else 0.0,
+                                    handover=handover if role is Role.DECODE else None)
             if role is Role.PREFILL:
                 arrivals = decision.numbers.get("arrival_rate")
                 prefilling = decision.numbers.get("in_flight_now", 0.0)
                 prefill_ttft = decision.numbers.get("ttft_p90_s")
+                handover = prefill_handover(decision)
             self._export(ns, name, decision)
             logger.debug("planner namespace=%s name=%s role=%s current=%d desired=%d reason=%r", ns, name,
                          role.value, decision.current, decision.desired, decision.reason)

@@ -378,6 +378,28 @@ def decode_slot_pods(held: float, *, batch: float, seconds_per_sequence: float |
     return held / (batch * (1.0 + wait / seconds_per_sequence))
 
 
+def handed_over(prefilling: float, *, rate: float | None, lifetime: float | None) -> float:
+    """The sequences prefill holds now that can need a decode slot at the same time.
+
+    Prefill passes them on no faster than its pods complete prefills (``rate``, requests/s, for the pods it has
+    or has asked for), and each holds a slot for ``lifetime`` seconds (output tokens x ITL), so at most
+    ``rate x lifetime`` of them overlap in decode; the rest arrive as earlier ones finish. All of them when
+    either is unknown. (Counted whole, the Azure trace's burst of 23 short requests queued in prefill asked
+    for 5.75 decode pods of 4 sequences, where prefill's 4 pods hand over 3.5 a second, each done in 2.4 s:
+    decode went to 4 pods and 2 served fixed-peak within ITL.)
+    """
+    if rate is None or lifetime is None or rate <= 0 or lifetime <= 0:
+        return prefilling
+    return min(prefilling, rate * lifetime)
+
+
+def _held_why(held: float, prefilling: float, coming: float) -> str:
+    if coming < prefilling:
+        return (f"{held:.3g} sequences in flight now ({coming:.3g} of the {prefilling:.0f} in prefill overlap at "
+                f"its hand-over rate)")
+    return f"{held:.0f} sequences in flight now (with {prefilling:.0f} in prefill)"
+
+
 def estimate_prefill(windows: list[PodWindow], *, target: float, learned: PrefillLearning, current: int,
                      settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
                      margin: float = SCALE_IN_MARGIN, tolerance: float = 0.1, upstream: float = 0.0,
@@ -493,7 +515,8 @@ def decode_pods(*, tokens: float, queued: float, a: float, c: float, target: flo
 def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeLearning, current: int,
                     settled_seconds: float = math.inf, lookback_seconds: float = 0.0,
                     margin: float = SCALE_IN_MARGIN, arrivals: float | None = None,
-                    prefilling: float = 0.0, tolerance: float = 0.1, wait: float = 0.0) -> Estimate:
+                    prefilling: float = 0.0, tolerance: float = 0.1, wait: float = 0.0,
+                    handover: float | None = None) -> Estimate:
     """Decode pods needed to keep ITL under ``target`` for the tokens the role produces and the requests queued.
 
     ``settled_seconds`` as for prefill; an ITL is measured as it happens, so the lookback alone must pass.
@@ -503,7 +526,9 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     As for prefill, the sequences held now bound the pods from below (each needs a slot in a batch within the
     target), counted at the last scrape: urgent when that alone asks for more pods. ``prefilling``: the
     requests prefill holds now, each a decode sequence one prefill from now (decode's own count showed a
-    burst only once prefill had passed it on, two to four seconds late). ``wait``: how long a sequence may
+    burst only once prefill had passed it on, two to four seconds late). ``handover``: the requests per second
+    prefill's pods (those it has or asked for) complete flat out; of the requests it holds, only as many as
+    overlap in decode at that rate need slots together (``handed_over``). ``wait``: how long a sequence may
     queue for a slot (what the TTFT target leaves after prefill): slots that free within it count
     (``decode_slot_pods``).
     """
@@ -542,8 +567,9 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
     if in_flight <= 0 and tokens <= 0:
         return Estimate(0.0, "no decode requests in flight", numbers)
     missing = mean_itl is not None and mean_itl > target
-    # The sequences held now, each needing a batch slot within the target: the requests in prefill too.
-    held = sum(w.in_flight_now for w in windows) + prefilling
+    # The sequences held now, each needing a batch slot within the target: the requests in prefill too, as
+    # many of them as prefill can hand over within a sequence's time in decode.
+    own = sum(w.in_flight_now for w in windows)
     fit = learned.fit()
     if fit is not None:
         a, c = fit
@@ -564,13 +590,14 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
             why += f" (sized ahead: prefill admits {arrivals:.3g} req/s x {per_request:.0f} output tokens)"
         # A slot frees every output-length x ITL; the ITL at the batch planned is at most the target.
         lifetime = per_request * min(target, a + c * batch) if per_request is not None else None
+        coming = handed_over(prefilling, rate=handover, lifetime=lifetime)
+        held = own + coming
         slots = decode_slot_pods(held, batch=batch, seconds_per_sequence=lifetime, wait=wait)
         numbers["in_flight_now"], numbers["backlog_pods"], numbers["slot_wait_s"] = held, slots, wait
         urgent = backlog_step(slots, current=current, tolerance=tolerance, sustained=pods,
                               most=urgent_most("decode", current))
         if urgent is not None:
-            why += (f"; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill): {slots:.3g} pods of "
-                    f"{batch:.3g}")
+            why += f"; {_held_why(held, prefilling, coming)}: {slots:.3g} pods of {batch:.3g}"
         hold = max(hold, min(slots, current + 1.0))
         if missing and pods <= current and settled:
             pods = current + 1.0
@@ -594,6 +621,8 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         cap = learned.batch_cap
         # The ITL measured is at a batch up to the cap: the target bounds the ITL a full pod would see.
         lifetime = per_request * target if per_request is not None else None
+        coming = handed_over(prefilling, rate=handover, lifetime=lifetime)
+        held = own + coming
         slots = decode_slot_pods(held, batch=cap, seconds_per_sequence=lifetime, wait=wait)
         # Without the slope the rates still bound what the role needs once the queue drains: the tokens/s
         # coming at the ITL measured keep tokens x ITL sequences running (Little), at most ``cap`` a pod. The
@@ -605,8 +634,7 @@ def estimate_decode(windows: list[PodWindow], *, target: float, learned: DecodeL
         pods = max(float(current), slots)
         numbers.update(pods=pods, batch_cap=cap, in_flight_now=held, backlog_pods=slots, sustained_pods=sustained,
                        slot_wait_s=wait)
-        why = (f"batch slope not fitted yet; {held:.0f} sequences in flight now (with {prefilling:.0f} in prefill), "
-               f"at most {cap:g} per pod: {slots:.3g} pods")
+        why = f"batch slope not fitted yet; {_held_why(held, prefilling, coming)}, at most {cap:g} per pod: {slots:.3g} pods"
         return Estimate(pods, why, numbers, hold=pods, settled=settled, demand=tokens + queued, urgent=urgent)
     numbers["pods"] = float(current)
     return Estimate(float(current), "ITL within target; batch slope not fitted yet", numbers)
@@ -979,7 +1007,8 @@ class RolePlanner:
              prefilling: float = 0.0, ready_at: Mapping[str, float] | None = None,
              created_at: Mapping[str, float] | None = None, held: float | None = None,
              prefill_left: int = 0, max_num_seqs: int | None = None,
-             prefill_ttft: float | None = None, upstream: float = 0.0) -> Decision:
+             prefill_ttft: float | None = None, upstream: float = 0.0,
+             handover: float | None = None) -> Decision:
         """One interval: ``pods`` are the role's pods that exist, ``samples`` this round's scrapes of them.
 
         ``arrivals`` (decode only): prefill's arrival rate this interval, requests per second; ``prefilling``
@@ -993,6 +1022,8 @@ class RolePlanner:
         (decode only): prefill's TTFT p90 over the lookback; what the TTFT target leaves after it is how
         long a sequence may wait for a decode slot (None: no wait allowed, a slot for every sequence).
         ``upstream`` (prefill only): requests the routers hold for prefill room (``router.prefillConcurrency``).
+        ``handover`` (decode only): requests per second prefill's pods complete flat out, for the pods it has or
+        has just asked for (``prefill_handover``); None: not learned yet.
         """
         pods = list(pods)
         high = bounds[1]
@@ -1049,7 +1080,7 @@ class RolePlanner:
             est = estimate_decode(windows, target=targets.itl_seconds, learned=self.decode, current=current,
                                   settled_seconds=settled_seconds, lookback_seconds=lookback,
                                   margin=targets.scale_in_margin, arrivals=arrivals, prefilling=prefilling,
-                                  tolerance=targets.tolerance,
+                                  tolerance=targets.tolerance, handover=handover,
                                   wait=max(0.0, targets.ttft_seconds - prefill_ttft) if prefill_ttft is not None else 0.0)
         est = self._remember_misses(est, current=current, margin=targets.scale_in_margin)
         demand = est.demand if est.demand is not None else (0.0 if est.pods == 0.0 else None)
@@ -1146,6 +1177,17 @@ class RolePlanner:
         return dataclasses.replace(est, hold=hold, numbers=numbers,
                                    reason=est.reason + f"; not back to {pods} pods (they missed the target "
                                                        f"at this load)")
+
+
+def prefill_handover(decision: Decision) -> float | None:
+    """Requests per second prefill's pods complete flat out, for the pods it has or has just asked for (the
+    larger: pods asked for serve within a start-up, pods being removed still finish what they hold); None
+    until a pod's throughput and the prompts' uncached length are known."""
+    throughput = decision.numbers.get("pod_tokens_per_s")
+    uncached = decision.numbers.get("uncached_tokens")
+    if not throughput or not uncached:
+        return None
+    return max(decision.current, decision.desired) * throughput / uncached
 
 
 def deletion_costs(samples: Mapping[str, PodSample], pods: Iterable[str]) -> dict[str, int]:

@@ -20,7 +20,9 @@ from daybreak.operator.planner import (
     backlog_step,
     deletion_costs,
     estimate_decode,
+    handed_over,
     policy_for,
+    prefill_handover,
     round_with_tolerance,
     urgent_most,
 )
@@ -561,6 +563,34 @@ def test_a_decode_cap_set_on_the_engine_command_line_sizes_a_burst_before_any_sl
     assert told.desired == 2 and "work held" in told.reason, told
     blind = last(None)
     assert blind.desired == 1 and "batch_cap" not in blind.numbers and "not fitted" in blind.reason, blind
+
+
+def test_decode_counts_only_the_requests_prefill_can_hand_over_while_a_sequence_decodes() -> None:
+    # The Azure trace's burst: 23 short requests (30 output tokens) queued in prefill, 2 sequences on decode, at
+    # most 4 a pod, no slope yet. Prefill's 4 pods complete 4 x 349 / 405 = 3.45 requests a second and each
+    # holds a decode slot for 30 x 80 ms = 2.4 s, so at most 8.3 of the 23 are in decode together: 10.3
+    # sequences, 2.6 pods, where counting all 23 asked for 6.25 and held that many until the slope was fitted
+    # (the run went to 4 decode pods, the bound, for 45 s; fixed-peak's 2 served its ITL).
+    learned = DecodeLearning(batch_cap=4.0, produced=300.0, finished=10.0)
+    w = PodWindow(pod="d", seconds=3.0, requests=1.0, uncached_tokens=None, mean_running=2.0, mean_waiting=0.0,
+                  running_change=0.0, waiting_growth=0.0, ttft=None,
+                  itl=Histogram(((float("inf"), 60.0),), 60 * 0.05, 60.0), in_flight_now=2.0)
+    prefill = Decision(role="prefill", current=2, desired=4, reason="",
+                       numbers={"pod_tokens_per_s": 349.0, "uncached_tokens": 405.0})
+    rate = prefill_handover(prefill)
+    assert rate == pytest.approx(4 * 349 / 405)
+    bounded = estimate_decode([w], target=0.08, learned=learned, current=2, prefilling=23.0, handover=rate)
+    assert bounded.numbers["in_flight_now"] == pytest.approx(2 + rate * 2.4), bounded
+    assert bounded.pods == pytest.approx((2 + rate * 2.4) / 4) and bounded.hold == bounded.pods, bounded
+    assert bounded.urgent == 3 and "of the 23 in prefill" in bounded.reason, bounded
+    whole = estimate_decode([w], target=0.08, learned=learned, current=2, prefilling=23.0)
+    assert whole.pods == pytest.approx(25 / 4) and whole.numbers["in_flight_now"] == 25.0, whole
+    # A queue prefill hands over within a sequence's time is counted whole, and so is one whose rate is unknown.
+    assert handed_over(5.0, rate=3.45, lifetime=2.4) == 5.0
+    assert handed_over(23.0, rate=None, lifetime=2.4) == 23.0
+    assert prefill_handover(dataclasses.replace(prefill, numbers={})) is None
+    # Prefill scaling in still finishes what its pods hold: the larger of the two counts.
+    assert prefill_handover(dataclasses.replace(prefill, current=4, desired=3)) == pytest.approx(rate)
 
 
 def test_a_decode_sequence_may_wait_for_a_slot_as_long_as_the_ttft_target_leaves_after_prefill() -> None:
