@@ -110,6 +110,7 @@ from daybreak.serving.router import choice
 from daybreak.serving.router.auth import Credentials, credential_salt
 from daybreak.serving.router.discovery import PodState, RolePods
 from daybreak.serving.router.limits import DEFAULT_MAX_CONCURRENT_PER_CLIENT, ConcurrencyLimits, client_id
+from daybreak.serving.router.line import PrefillTime, Waiting, next_in_line
 from daybreak.serving.router.pool_lookup import PoolLookup
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,6 @@ PREFIX_TIMEOUT = 0.5
 HOLD_RETRY_AFTER_SECONDS = 10
 # How often a held request looks whether every role has a ready pod (discovery re-reads about every second).
 HOLD_POLL_SECONDS = 0.1
-PREFILL_STEP_WEIGHT = 0.2  # of the newest prefill step in the router's running mean (``Router._next_in_line``)
 DEFAULT_HOLD_QUEUE = 64
 DEFAULT_HOLD_SECONDS = 120.0
 # How long a context length learnt from the engines' /v1/models is trusted (a rollout may change the model).
@@ -290,14 +290,6 @@ def combine_usage(prefill: Mapping[str, Any] | None, decode: Mapping[str, Any] |
     return out
 
 
-@dataclass(eq=False)
-class _Waiting:
-    """A request in line for prefill room; compared by identity."""
-
-    started: float
-    """When it arrived (monotonic): its TTFT runs from here."""
-
-
 @dataclass
 class _Stream:
     """Relay state of one streamed decode: what the client already has."""
@@ -338,9 +330,9 @@ class Router:
         self._idle.set()
         self.held = 0
         """Requests held right now for lack of a ready engine or of prefill room (at most ``config.hold_queue``)."""
-        self._room_queue: deque[_Waiting] = deque()  # requests waiting for prefill room, in arrival order
+        self._room_queue: deque[Waiting] = deque()  # requests waiting for prefill room, in arrival order
         self._admitting = 0  # requests let through to a prefill slot that have not begun their step yet
-        self._prefill_seconds: float | None = None  # a prefill step's recent duration (mean, PREFILL_STEP_WEIGHT)
+        self._prefill_time = PrefillTime()  # seconds per prefill token, from the steps timed (``line``)
         self._decode_prefilling = 0  # requests sent to decode without prefill for lack of prefill room, in flight
         if config.hold_queue > 0:
             self.metrics.export_held(["engine"] if prefill is None else ["prefill", "decode"])
@@ -606,6 +598,8 @@ class Router:
         self.metrics.prompt_blocks.labels("all").inc(len(keys))
         self.metrics.prompt_blocks.labels("pool").inc(pool_blocks or 0)
 
+        # What prefill is expected to compute: the prompt less the pool's prefix (the line's order, its step time).
+        uncached = max(len(prompt.tokens) - (pool_blocks or 0) * (self.config.block_tokens or 0), 0)
         headers: dict[str, str] = {"x-request-id": rid}
         route: dict[str, str] = {}  # what ran where, for the logic below; in headers only with --debug-headers
         if kv_namespace:
@@ -618,8 +612,8 @@ class Router:
                                        pool_known=pool_blocks is not None):
                     self.metrics.prefill_skipped.labels("pool_holds_prompt").inc()
                     route["x-daybreak-prefill"] = "skipped"
-                elif (room := await self._prefill_room(rid=rid, started=started,
-                                                       kv_namespace=kv_namespace)) is Room.DECODE:
+                elif (room := await self._prefill_room(rid=rid, started=started, kv_namespace=kv_namespace,
+                                                       tokens=uncached)) is Room.DECODE:
                     decode_prefill = True
                     self.metrics.prefill_skipped.labels("no_prefill_room").inc()
                     route["x-daybreak-prefill"] = "decode"
@@ -632,7 +626,7 @@ class Router:
                         address, reply = await self._json_step(
                             "prefill", self.prefill, path, prefill_body, started=started, keys=keys,
                             pool_blocks=pool_blocks or 0, prefix_aware=True, rid=rid, kv_namespace=kv_namespace,
-                            admitted=room is Room.SLOT)
+                            admitted=room is Room.SLOT, tokens=uncached)
                         prefill_usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else None
                         route["x-daybreak-prefill"] = address
                     except StepFailed as exc:
@@ -755,7 +749,7 @@ class Router:
         pods = [p for p in self._pods_of(self.decode, kv_namespace) if p.healthy]
         return self._decode_prefilling < self.config.decode_prefill * len(pods)
 
-    async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None) -> Room:
+    async def _prefill_room(self, *, rid: str, started: float, kv_namespace: str | None, tokens: int) -> Room:
         """Wait in line (``_next_in_line``) until a prefill pod has fewer than ``--prefill-concurrency`` steps in
         flight (``Room.SLOT``: ``_admitting`` counts it until the step begins), or, with ``--decode-prefill``,
         until decode may compute the prompt itself (``Room.DECODE``: counted in ``_decode_prefilling``, which
@@ -777,7 +771,7 @@ class Router:
                 return self._to_decode()
         if self.held >= self.config.hold_queue:
             return Room.UNBOUNDED
-        ticket = _Waiting(started)
+        ticket = Waiting(started, tokens)
         self._room_queue.append(ticket)
         self.held += 1
         gauge = self.metrics.held
@@ -810,10 +804,10 @@ class Router:
             log.debug("event=room_wait_ended id=%s outcome=%s waited_s=%.3f", rid, outcome,
                       time.monotonic() - started)
 
-    def _next_in_line(self, now: float) -> _Waiting:
+    def _next_in_line(self, now: float) -> Waiting:
         """Who takes the next prefill room: the first in line, or with ``ttft_target_seconds`` the first in
-        line that can still have its first token within the target (its wait so far plus a prefill step,
-        ``_prefill_seconds``), and the first in line only when none can.
+        line that can still have its first token within the target (its wait so far plus its own prefill at
+        the recent steps' seconds per token, ``line.next_in_line``), and the first in line only when none can.
 
         Why: in a burst the pods are short for a while and the line grows; first come, first served then
         spends every slot on requests that have already waited past the target and miss it wherever they
@@ -821,13 +815,8 @@ class Router:
         the late ones wait longer (their TTFT grows, never past ``--hold-seconds``, after which they are
         bound to a pod as without the bound) and are not failed. The line keeps arrival order within each
         kind, and the choice is remade at every free slot (a request turns late while it waits)."""
-        target = self.config.ttft_target_seconds
-        if target is not None:
-            step = self._prefill_seconds or 0.0
-            for waiting in self._room_queue:
-                if now - waiting.started + step <= target:
-                    return waiting
-        return self._room_queue[0]
+        return next_in_line(self._room_queue, now=now, target=self.config.ttft_target_seconds,
+                            prefill=self._prefill_time)
 
     def _to_decode(self) -> Room:
         self._decode_prefilling += 1
@@ -941,8 +930,10 @@ class Router:
 
     async def _json_step(self, role: str, pods: RolePods, path: str, body: dict[str, Any], *, started: float,
                          keys: list[str], pool_blocks: int, prefix_aware: bool, rid: str,
-                         kv_namespace: str | None = None, admitted: bool = False) -> tuple[str, dict[str, Any]]:
-        """One step, retried on other pods. ``admitted``: a prefill slot was taken for it (``Room.SLOT``)."""
+                         kv_namespace: str | None = None, admitted: bool = False,
+                         tokens: int = 0) -> tuple[str, dict[str, Any]]:
+        """One step, retried on other pods. ``admitted``: a prefill slot was taken for it (``Room.SLOT``);
+        ``tokens``: what a prefill step is expected to compute (timed with it for the line's order)."""
         assert self._session is not None
         tried: set[str] = set()
         attempt = 0
@@ -977,8 +968,7 @@ class Router:
                         took = time.monotonic() - t
                         self.metrics.step_seconds.labels(role).observe(took)
                         if role == "prefill":
-                            last = self._prefill_seconds
-                            self._prefill_seconds = took if last is None else last + PREFILL_STEP_WEIGHT * (took - last)
+                            self._prefill_time.observe(took, tokens)
                         return address, reply
                     if r.status not in RETRYABLE_STATUS:
                         failed = False

@@ -250,6 +250,48 @@ def test_with_a_ttft_target_a_request_that_can_still_make_it_goes_before_one_tha
     assert answered(Stack(tmp_path / "arrival"), None) == ["A", "B", "C"]
 
 
+def test_with_a_ttft_target_a_long_prompt_that_can_no_longer_make_it_waits_behind_a_short_one(
+        tmp_path: Path) -> None:
+    """``--ttft-target 5``, one prefill pod at 30 ms a prompt token: A (100 tokens, 3 s) takes the pod, B (130
+    tokens, 3.9 s) waits from 1.45 s, C (10 tokens, 0.3 s) from 2.2 s. When A ends B has waited about 1.6 s:
+    within the target at the mean step timed so far (A's 3 s), not at its own 3.9 s. C goes first and makes
+    it; B is answered after it. (With the mean step B went first and both missed.)"""
+    slow = ["--prefill-per-token-seconds", "0.03"]
+    stack = Stack(tmp_path / "stack")
+    done: dict[str, float] = {}
+
+    def prompt(first: int, tokens: int) -> dict[str, Any]:  # distinct tokens: no prompt is a cache hit of another
+        return {"prompt": list(range(first, first + tokens)), "max_tokens": 2}
+
+    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+        pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+                                        asyncio.to_thread(stack.engine, "decode", pool=False))
+        prefill.ready = {pre.address: None}
+        decode.ready = {dec.address: None}
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as session:
+            await _until("the router to list the engines", lambda: _health_ok(session, url))
+
+            async def send(name: str, first: int, tokens: int) -> int:
+                status, _, _ = await _post(session, url, prompt(first, tokens))
+                done[name] = loop.time()
+                return status
+
+            a = asyncio.create_task(send("A", 1000, 100))
+            await asyncio.sleep(1.45)  # A has the pod
+            b = asyncio.create_task(send("B", 2000, 130))
+            await asyncio.sleep(0.75)
+            c = asyncio.create_task(send("C", 3000, 10))
+            assert await asyncio.wait_for(asyncio.gather(a, b, c), 60) == [200, 200, 200]
+
+    try:
+        asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
+                                          ttft_target_seconds=5.0), scenario))
+    finally:
+        stack.close()
+    assert sorted(done, key=done.__getitem__) == ["A", "C", "B"], done
+
+
 async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
     async with session.get(f"{url}/health") as r:
         body = await r.json()
