@@ -23,9 +23,11 @@ Rates need a lookback to be more than Poisson noise; the work the pods hold at
 the last scrape (requests running + waiting) needs none. So besides the rate,
 a backlog that the pods there are cannot clear within the target (prefill: the
 next request would start too late; decode: the sequences held would wait for a
-batch slot longer than the TTFT target leaves after prefill, ``decode_slot_pods``)
-asks for more pods through a short window (``backlog_step``): a step shows in
-the requests held an interval or two before the rates have seen it.
+batch slot longer than the TTFT target leaves after prefill, ``decode_slot_pods``;
+of the requests prefill holds, only those its pods can hand over while a
+sequence decodes, ``handed_over``) asks for more pods through a short window
+(``backlog_step``): a step shows in the requests held an interval or two before
+the rates have seen it.
 The backlog's step is one pod, or up to double the role (prefill: or 4 pods
 more, HPA's default) once the rates agree that many are needed (a backlog
 alone also holds what queued while the pods were short, which they drain once

@@ -204,50 +204,67 @@ def test_with_prefill_concurrency_a_request_waits_in_the_router_for_the_first_po
         stack.close()
 
 
+Send = Callable[[str, int, int], "asyncio.Task[int]"]
+
+
+def _answer_order(stack: Stack, *, per_token: str, target: float | None,
+                  script: Callable[[Send, aiohttp.ClientSession, str], Awaitable[None]]) -> list[str]:
+    """The order in which the requests ``script`` sends (``send(name, first token id, prompt tokens)``) are
+    answered by a router with ``--prefill-concurrency 1`` (and ``target`` as ``--ttft-target``) in front of one
+    prefill pod at ``per_token`` seconds a prompt token and one decode pod. Every request must succeed."""
+    done: dict[str, float] = {}
+
+    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
+        slow = ["--prefill-per-token-seconds", per_token]
+        pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
+                                        asyncio.to_thread(stack.engine, "decode", pool=False))
+        prefill.ready = {pre.address: None}
+        decode.ready = {dec.address: None}
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[int]] = []
+        async with aiohttp.ClientSession() as session:
+            await _until("the router to list the engines", lambda: _health_ok(session, url))
+
+            async def request(name: str, first: int, tokens: int) -> int:
+                # Distinct token ids: no prompt is a cache hit of another.
+                status, _, _ = await _post(session, url, {"prompt": list(range(first, first + tokens)),
+                                                          "max_tokens": 2})
+                done[name] = loop.time()
+                return status
+
+            def send(name: str, first: int, tokens: int) -> asyncio.Task[int]:
+                tasks.append(asyncio.create_task(request(name, first, tokens)))
+                return tasks[-1]
+
+            await script(send, session, url)
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 60) == [200] * len(tasks)
+
+    try:
+        asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
+                                          ttft_target_seconds=target), scenario))
+    finally:
+        stack.close()
+    return sorted(done, key=done.__getitem__)
+
+
 def test_with_a_ttft_target_a_request_that_can_still_make_it_goes_before_one_that_cannot(tmp_path: Path) -> None:
     """``--prefill-concurrency 1 --ttft-target 4.5``, one prefill pod taking about 2.75 s a prompt: A takes
     the pod, B waits for it from 0.5 s, C arrives at about 2 s. When A ends, B has waited 2.25 s and a prefill
     more takes it past the target wherever it goes; C (0.7 s in) still makes it if it goes now. It does: C is
     answered before B, and B after, not failed. First come, first served gives the slot to B: both miss."""
-    slow = ["--prefill-per-token-seconds", "0.0275"]  # 100-token prompts: 2.75 s of prefill each
 
-    def prompt(first: int) -> dict[str, Any]:  # distinct tokens: no prompt is a cache hit of another
-        return {"prompt": list(range(first, first + 100)), "max_tokens": 2}
+    async def script(send: Send, session: aiohttp.ClientSession, url: str) -> None:
+        send("A", 1000, 100)  # 100-token prompts: 2.75 s of prefill each
+        await asyncio.sleep(0.5)  # A takes the pod on arrival
+        send("B", 2000, 100)
+        await _until("B to wait for prefill room", lambda: _is_held(session, url, 1.0))
+        await asyncio.sleep(1.5)
+        send("C", 3000, 100)
 
-    def answered(stack: Stack, target: float | None) -> list[str]:
-        done: dict[str, float] = {}
-
-        async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
-            pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
-                                            asyncio.to_thread(stack.engine, "decode", pool=False))
-            prefill.ready = {pre.address: None}
-            decode.ready = {dec.address: None}
-            loop = asyncio.get_running_loop()
-            async with aiohttp.ClientSession() as session:
-                await _until("the router to list the engines", lambda: _health_ok(session, url))
-
-                async def send(name: str, first: int) -> int:
-                    status, _, _ = await _post(session, url, prompt(first))
-                    done[name] = loop.time()
-                    return status
-
-                a = asyncio.create_task(send("A", 1000))
-                await asyncio.sleep(0.5)  # A takes the pod on arrival
-                b = asyncio.create_task(send("B", 2000))
-                await _until("B to wait for prefill room", lambda: _is_held(session, url, 1.0))
-                await asyncio.sleep(1.5)
-                c = asyncio.create_task(send("C", 3000))
-                assert await asyncio.wait_for(asyncio.gather(a, b, c), 60) == [200, 200, 200]
-
-        try:
-            asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
-                                              ttft_target_seconds=target), scenario))
-        finally:
-            stack.close()
-        return sorted(done, key=done.__getitem__)
-
-    assert answered(Stack(tmp_path / "deadline"), 4.5) == ["A", "C", "B"]
-    assert answered(Stack(tmp_path / "arrival"), None) == ["A", "B", "C"]
+    assert _answer_order(Stack(tmp_path / "deadline"), per_token="0.0275", target=4.5,
+                         script=script) == ["A", "C", "B"]
+    assert _answer_order(Stack(tmp_path / "arrival"), per_token="0.0275", target=None,
+                         script=script) == ["A", "B", "C"]
 
 
 def test_with_a_ttft_target_a_long_prompt_that_can_no_longer_make_it_waits_behind_a_short_one(
@@ -256,40 +273,16 @@ def test_with_a_ttft_target_a_long_prompt_that_can_no_longer_make_it_waits_behin
     tokens, 3.9 s) waits from 1.45 s, C (10 tokens, 0.3 s) from 2.2 s. When A ends B has waited about 1.6 s:
     within the target at the mean step timed so far (A's 3 s), not at its own 3.9 s. C goes first and makes
     it; B is answered after it. (With the mean step B went first and both missed.)"""
-    slow = ["--prefill-per-token-seconds", "0.03"]
-    stack = Stack(tmp_path / "stack")
-    done: dict[str, float] = {}
 
-    def prompt(first: int, tokens: int) -> dict[str, Any]:  # distinct tokens: no prompt is a cache hit of another
-        return {"prompt": list(range(first, first + tokens)), "max_tokens": 2}
+    async def script(send: Send, session: aiohttp.ClientSession, url: str) -> None:
+        send("A", 1000, 100)
+        await asyncio.sleep(1.45)  # A has the pod
+        send("B", 2000, 130)
+        await asyncio.sleep(0.75)
+        send("C", 3000, 10)
 
-    async def scenario(url: str, prefill: Endpoints, decode: Endpoints) -> None:
-        pre, dec = await asyncio.gather(asyncio.to_thread(stack.engine, "prefill", pool=False, extra=slow),
-                                        asyncio.to_thread(stack.engine, "decode", pool=False))
-        prefill.ready = {pre.address: None}
-        decode.ready = {dec.address: None}
-        loop = asyncio.get_running_loop()
-        async with aiohttp.ClientSession() as session:
-            await _until("the router to list the engines", lambda: _health_ok(session, url))
-
-            async def send(name: str, first: int, tokens: int) -> int:
-                status, _, _ = await _post(session, url, prompt(first, tokens))
-                done[name] = loop.time()
-                return status
-
-            a = asyncio.create_task(send("A", 1000, 100))
-            await asyncio.sleep(1.45)  # A has the pod
-            b = asyncio.create_task(send("B", 2000, 130))
-            await asyncio.sleep(0.75)
-            c = asyncio.create_task(send("C", 3000, 10))
-            assert await asyncio.wait_for(asyncio.gather(a, b, c), 60) == [200, 200, 200]
-
-    try:
-        asyncio.run(_serving(RouterConfig(hold_queue=8, hold_seconds=120, prefill_concurrency=1,
-                                          ttft_target_seconds=5.0), scenario))
-    finally:
-        stack.close()
-    assert sorted(done, key=done.__getitem__) == ["A", "C", "B"], done
+    assert _answer_order(Stack(tmp_path / "stack"), per_token="0.03", target=5.0,
+                         script=script) == ["A", "C", "B"]
 
 
 async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
