@@ -8,8 +8,8 @@ within the target, and to the first in line only when none can (docs/serving.md,
 compute (the pool's prefix taken off) at the seconds per token of the recent prefill steps. A single mean step
 time for every request, as before, let a long prompt that could no longer make it take the slot and hold the pod
 past the target for the short ones behind it: `hack/trace_limit.py` replays the elastic bench's Azure sample
-through this line, and with the mean step 15 requests miss on four prefill pods throughout (fixed-peak measured
-15) against 7 with each request's own prefill time.
+through this line, and with the mean step 14 requests miss on four prefill pods throughout (the bench measured
+15 for fixed-peak) against 7 with each request's own prefill time.
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ Bounded, so that no client starves the others (docs/security.md):
   started included, instead of the least-loaded pod's own queue at arrival.
   It never fails for room: past ``--hold-seconds`` or with the queue full
   it is bound at once as without the bound. With ``--ttft-target S`` the
-  requests that can still have their first token within S of arriving go
-  first, and those that cannot (they miss it wherever they wait) after.
+  requests that can still have their first token within S of arriving
+  (their wait plus their own prompt's prefill, ``line.py``) go first, and
+  those that cannot (they miss it wherever they wait) after.
 - **Prefill on decode while prefill has no room** (``--decode-prefill K``,
   with ``--prefill-concurrency``): a request that would wait for prefill
   room goes straight to decode instead while fewer than K such prompts per
