@@ -1,7 +1,7 @@
 """How many of the Azure trace's TTFTs a planner that reacts must lose: the trace's burst against a lag.
 
-``python hack/trace_limit.py`` (no cluster, a few seconds) prints the table quoted in docs/performance.md
-("The Azure trace's reaction limit"). It replays the bench's own sample of the trace (the first 160 s of every
+``.venv/bin/python hack/trace_limit.py`` (no cluster, about 15 s) prints the table quoted in docs/performance.md
+(2026-12-08, sixth session) and docs/serving.md ("Who goes first"). It replays the bench's own sample of the trace (the first 160 s of every
 5th request, times x 0.5, prompts scaled by the bench's fitted factor: ``daybreak bench elastic --trace
 traces/azure_llm_code_2023.csv --sample 5 --time-scale 0.5 --trace-seconds 160``) through a model of the
 prefill side only:
