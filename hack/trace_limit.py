@@ -40,6 +40,7 @@ from daybreak.bench.elastic import (
     stats_of,
     trace_points,
 )
+from daybreak.serving.router.line import PrefillTime, Waiting, next_in_line
 from daybreak.serving.sim.costmodel import CostModel
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "azure_llm_code_2023.csv"
@@ -47,7 +48,6 @@ TTFT, ITL = 4.0, 0.08
 FIRST_TOKEN = 0.1  # seconds from a prefill's end to decode's first token (default of --first-token-seconds)
 DOWN_WINDOW = 20.0
 DT = 0.01  # seconds per simulation step
-STEP_WEIGHT = 0.2  # the router's running means (serving/router/line.py)
 
 
 def engine_cost() -> CostModel:
@@ -76,24 +76,22 @@ def replay(reqs: list[tuple[float, int, float]], *, lag: float | None, target: f
     planner whose added pods serve ``lag`` seconds after it asks. ``own``: the line's order estimates each
     request's prefill from its tokens, else one mean step for all."""
     mean_service = sum(s for _, _, s in reqs) / len(reqs)
-    timed_seconds: float | None = None  # the router's running means of the steps timed
-    timed_tokens = 0.0
-
-    def estimate(j: int) -> float:
-        if timed_seconds is None:
-            return 0.0
-        return timed_seconds * reqs[j][1] / timed_tokens if own else timed_seconds
+    # The router's own order and running means; a step timed as computing no tokens makes every estimate the
+    # mean step (``PrefillTime.estimate``), the order before 2026-12-08.
+    timed = PrefillTime()
     end = reqs[-1][0] + 60.0
     pods = MAX_PODS if lag is None else 1
     busy: list[float] = [0.0] * MAX_PODS  # when each pod slot is free; only the first ``pods`` serve
     coming: list[float] = []  # when asked-for pods serve
     wanted_at: list[tuple[float, int]] = []  # (when, pods the line asked for), for the down window
-    line: list[int] = []
+    line: list[Waiting] = []
+    index: dict[Waiting, int] = {}
     ttft: list[tuple[float, float]] = []
     i, t, pod_seconds = 0, 0.0, 0.0
     while t < end and (i < len(reqs) or line or any(b > t for b in busy)):
         while i < len(reqs) and reqs[i][0] <= t:
-            line.append(i)
+            line.append(Waiting(reqs[i][0], reqs[i][1]))
+            index[line[-1]] = i
             i += 1
         if lag is not None:
             while coming and coming[0] <= t:
@@ -101,7 +99,7 @@ def replay(reqs: list[tuple[float, int, float]], *, lag: float | None, target: f
                 pods += 1
             # The backlog rule: the work held (waiting and the rest of what is running) must leave the next
             # request time to start within the target.
-            held = sum(reqs[j][2] for j in line) + sum(max(0.0, b - t) for b in busy[:pods])
+            held = sum(reqs[index[w]][2] for w in line) + sum(max(0.0, b - t) for b in busy[:pods])
             need = max(1, min(MAX_PODS, math.ceil(held / (target - mean_service) - 1e-9)))
             wanted_at.append((t, need))
             while wanted_at and wanted_at[0][0] < t - DOWN_WINDOW:
@@ -113,17 +111,13 @@ def replay(reqs: list[tuple[float, int, float]], *, lag: float | None, target: f
                 pods = highest  # the idle pods past what the window wanted go
         for k in range(pods):
             if busy[k] <= t and line:
-                fresh = [j for j in line if t - reqs[j][0] + estimate(j) <= TTFT]
-                j = fresh[0] if fresh else line[0]
-                line.remove(j)
-                busy[k] = t + reqs[j][2]
-                ttft.append((reqs[j][0], busy[k] - reqs[j][0]))
+                first = next_in_line(line, now=t, target=TTFT, prefill=timed)
+                line.remove(first)
+                at, tokens, seconds = reqs[index.pop(first)]
+                busy[k] = t + seconds
+                ttft.append((at, busy[k] - at))
                 # Timed when it ends in the router; counted here when it starts (the model's one shortcut).
-                if timed_seconds is None:
-                    timed_seconds, timed_tokens = reqs[j][2], float(reqs[j][1])
-                else:
-                    timed_seconds += STEP_WEIGHT * (reqs[j][2] - timed_seconds)
-                    timed_tokens += STEP_WEIGHT * (reqs[j][1] - timed_tokens)
+                timed.observe(seconds, tokens if own else 0)
         pod_seconds += pods * DT
         t += DT
     return sorted(ttft), pod_seconds
